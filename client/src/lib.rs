@@ -1,0 +1,1 @@
+//! LeanStream client library (D-Bus contract, built in the daemon issue) and CLI helpers.

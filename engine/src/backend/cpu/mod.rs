@@ -1,0 +1,1 @@
+//! CPU kernels. STUB: being written (SIMD dot products over quantised rows).

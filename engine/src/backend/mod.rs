@@ -1,0 +1,3 @@
+//! Compute backends. The CPU backend always compiles.
+
+pub mod cpu;

@@ -1,0 +1,67 @@
+//! The engine's one error type. Every variant carries enough context (file, tensor, offset) for a
+//! user to see what is wrong without a debugger.
+
+use std::path::PathBuf;
+
+/// Errors from the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An OS-level I/O failure on a named file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A model file whose bytes do not make sense (truncated, corrupted, wrong magic, bad offsets).
+    #[error("{path}: invalid model file: {reason}")]
+    InvalidFile { path: PathBuf, reason: String },
+    /// A well-formed file that uses something we do not support (tensor type, architecture).
+    #[error("{path}: unsupported: {reason}")]
+    Unsupported { path: PathBuf, reason: String },
+    /// A tensor the architecture needs is missing or has the wrong shape.
+    #[error("{path}: tensor `{tensor}`: {reason}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        reason: String,
+    },
+    /// Tokenizer construction or encoding failure.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// Chat template rendering failure.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    /// A caller-supplied argument is out of range (e.g. a prompt longer than the context).
+    #[error("invalid argument `{arg}`: {reason}")]
+    InvalidArgument { arg: &'static str, reason: String },
+}
+
+/// Result alias for the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Shorthand for [`Error::InvalidFile`].
+    pub fn invalid_file(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::InvalidFile {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Unsupported`].
+    pub fn unsupported(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::Unsupported {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Io`].
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

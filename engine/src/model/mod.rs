@@ -1,0 +1,100 @@
+//! The internal model description and the importers that fill it.
+//!
+//! Every source format (GGUF, Hugging Face safetensors, the LeanStream `.lsm` file) is read into
+//! one [`ImportedModel`]: a validated [`ModelConfig`], tensors under canonical (GGUF-style) names,
+//! the tokenizer and the chat template. [`Weights`] is then built from it with every shape checked
+//! once, so the forward passes never see a malformed model.
+
+mod bytes;
+mod config;
+pub mod gguf;
+pub mod lsm;
+pub mod safetensors;
+mod weights;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use bytes::{TensorBytes, map_file};
+pub use config::{Architecture, FfnActivation, ModelConfig, RopeStyle};
+pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
+
+use crate::quant::DType;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// One stored tensor: element type, shape and bytes.
+#[derive(Clone, Debug)]
+pub struct TensorRef {
+    /// Element type of the stored bytes.
+    pub dtype: DType,
+    /// Shape, outermost first: a matrix is `[rows, cols]` with `cols` contiguous (GGUF's `ne`
+    /// reversed). A vector is `[n]`.
+    pub shape: Vec<usize>,
+    /// The stored bytes (exactly `rows * dtype.row_bytes(cols)`).
+    pub data: TensorBytes,
+}
+
+/// A model read from any source format, before its weights are arranged for compute.
+#[derive(Debug)]
+pub struct ImportedModel {
+    /// Where it came from (a file, or a directory for safetensors).
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    /// Tensors by canonical name: `token_embd.weight`, `output_norm.weight`, `output.weight`
+    /// (absent when tied), `blk.{i}.attn_norm.weight`, `blk.{i}.attn_{q,k,v,output}.weight`,
+    /// optional `blk.{i}.attn_{q,k,v}.bias`, `blk.{i}.ffn_norm.weight`,
+    /// `blk.{i}.ffn_{gate,up,down}.weight`.
+    pub tensors: BTreeMap<String, TensorRef>,
+    pub tokenizer: Tokenizer,
+    /// Jinja chat template from the model's metadata, if it has one.
+    pub chat_template: Option<String>,
+}
+
+/// Which importer a path needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceKind {
+    Gguf,
+    Lsm,
+    SafetensorsDir,
+}
+
+impl SourceKind {
+    /// Decides by what is at `path`: a directory is safetensors; a file by its magic bytes.
+    pub fn detect(path: &Path) -> Result<SourceKind> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if meta.is_dir() {
+            return Ok(SourceKind::SafetensorsDir);
+        }
+        let mut magic = [0u8; 8];
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let n = std::io::Read::read(&mut f, &mut magic).map_err(|e| Error::io(path, e))?;
+        if n >= 4 && &magic[..4] == b"GGUF" {
+            Ok(SourceKind::Gguf)
+        } else if n == 8 && magic == lsm::MAGIC {
+            Ok(SourceKind::Lsm)
+        } else {
+            Err(Error::invalid_file(
+                path,
+                "not a GGUF or .lsm file (unknown magic bytes) and not a safetensors directory",
+            ))
+        }
+    }
+}
+
+/// Opens any supported model source and builds its compute-ready weights.
+pub fn load(path: &Path) -> Result<(Weights, Tokenizer, Option<String>)> {
+    match SourceKind::detect(path)? {
+        SourceKind::Lsm => lsm::load(path),
+        SourceKind::Gguf => {
+            let m = gguf::import(path)?;
+            let w = Weights::from_imported(&m)?;
+            Ok((w, m.tokenizer, m.chat_template))
+        }
+        SourceKind::SafetensorsDir => {
+            let m = safetensors::import(path)?;
+            let w = Weights::from_imported(&m)?;
+            Ok((w, m.tokenizer, m.chat_template))
+        }
+    }
+}

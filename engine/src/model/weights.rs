@@ -1,0 +1,247 @@
+//! Compute-ready weights: every matrix as [`QRows`], every shape checked once at build time.
+
+use super::{ImportedModel, ModelConfig, TensorBytes, TensorRef};
+use crate::quant::DType;
+use crate::{Error, Result};
+
+/// A matrix of quantised rows. Rows need not be contiguous: the `.lsm` file interleaves the gate
+/// row, up row and down column of each neuron (a bundle) and groups bundles into 4 KiB-aligned
+/// chunks, so row `i` lives at
+/// `first + (i / group_rows) * group_stride + (i % group_rows) * row_stride`.
+/// A plain matrix is one group with `row_stride = row_bytes`.
+#[derive(Clone, Debug)]
+pub struct QRows {
+    pub dtype: DType,
+    pub rows: usize,
+    /// Values per row.
+    pub cols: usize,
+    data: TensorBytes,
+    first: usize,
+    row_stride: usize,
+    group_rows: usize,
+    group_stride: usize,
+}
+
+impl QRows {
+    /// A contiguous row-major matrix. Returns `None` if `cols` is not a whole number of blocks or
+    /// `data` has the wrong size.
+    pub fn contiguous(dtype: DType, rows: usize, cols: usize, data: TensorBytes) -> Option<QRows> {
+        let rb = dtype.row_bytes(cols)?;
+        (rows.checked_mul(rb)? == data.len()).then_some(QRows {
+            dtype,
+            rows,
+            cols,
+            data,
+            first: 0,
+            row_stride: rb,
+            group_rows: rows.max(1),
+            group_stride: 0,
+        })
+    }
+
+    /// Rows laid out in groups (see the type's docs). Returns `None` if any row would fall
+    /// outside `data`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn strided(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        data: TensorBytes,
+        first: usize,
+        row_stride: usize,
+        group_rows: usize,
+        group_stride: usize,
+    ) -> Option<QRows> {
+        let rb = dtype.row_bytes(cols)?;
+        if rows == 0 || group_rows == 0 || row_stride < rb {
+            return None;
+        }
+        let q = QRows {
+            dtype,
+            rows,
+            cols,
+            data,
+            first,
+            row_stride,
+            group_rows,
+            group_stride,
+        };
+        let last_end = q.offset(rows - 1).checked_add(rb)?;
+        (last_end <= q.data.len()).then_some(q)
+    }
+
+    fn offset(&self, i: usize) -> usize {
+        self.first + (i / self.group_rows) * self.group_stride + (i % self.group_rows) * self.row_stride
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.cols).expect("validated at construction")
+    }
+
+    /// The stored bytes of row `i`. Panics if `i >= rows` (callers index by validated shapes).
+    #[inline]
+    pub fn row(&self, i: usize) -> &[u8] {
+        assert!(i < self.rows, "row {i} of {}", self.rows);
+        let off = self.offset(i);
+        &self.data.as_slice()[off..off + self.row_bytes()]
+    }
+
+    /// Dequantises row `i` into `out` (`out.len() == cols`).
+    pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
+        crate::quant::dequantize_row(self.dtype, self.row(i), out);
+    }
+
+    /// Total bytes of all rows (not counting padding between them).
+    pub fn stored_bytes(&self) -> usize {
+        self.rows * self.row_bytes()
+    }
+}
+
+/// The down projection, in the layout its source stores it.
+#[derive(Clone, Debug)]
+pub enum Down {
+    /// `(d_model, n_ff)`: row `j` is output `j` over all neurons (GGUF, safetensors).
+    Rows(QRows),
+    /// `(n_ff, d_model)`: row `i` is the down column of neuron `i` (the `.lsm` bundles).
+    Neurons(QRows),
+}
+
+/// One layer's gated FFN, neuron-major: row `i` of `gate` and `up` belongs to neuron `i`.
+#[derive(Clone, Debug)]
+pub struct FfnWeights {
+    pub gate: QRows, // (n_ff, d_model)
+    pub up: QRows,   // (n_ff, d_model)
+    pub down: Down,
+}
+
+/// One transformer block.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>, // (d_model)
+    pub wq: QRows,           // (n_heads * head_dim, d_model)
+    pub wk: QRows,           // (n_kv_heads * head_dim, d_model)
+    pub wv: QRows,           // (n_kv_heads * head_dim, d_model)
+    pub wo: QRows,           // (d_model, n_heads * head_dim)
+    pub bq: Option<Vec<f32>>, // (n_heads * head_dim), Qwen2-style bias
+    pub bk: Option<Vec<f32>>, // (n_kv_heads * head_dim)
+    pub bv: Option<Vec<f32>>, // (n_kv_heads * head_dim)
+    pub ffn_norm: Vec<f32>,  // (d_model)
+    pub ffn: FfnWeights,
+}
+
+/// All weights of a model, immutable and shared by every session.
+#[derive(Clone, Debug)]
+pub struct Weights {
+    pub config: ModelConfig,
+    pub token_embd: QRows,    // (vocab, d_model)
+    pub output_norm: Vec<f32>, // (d_model)
+    pub output: QRows,        // (vocab, d_model); shares token_embd's bytes when tied
+    pub layers: Vec<LayerWeights>,
+}
+
+/// Looks up tensors by name and checks their shapes, naming the source path in every error.
+pub(crate) struct TensorTable<'a> {
+    pub model: &'a ImportedModel,
+}
+
+impl TensorTable<'_> {
+    fn err(&self, name: &str, reason: String) -> Error {
+        Error::Tensor {
+            path: self.model.path.clone(),
+            tensor: name.to_string(),
+            reason,
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<&TensorRef> {
+        self.model
+            .tensors
+            .get(name)
+            .ok_or_else(|| self.err(name, "missing".into()))
+    }
+
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QRows> {
+        let t = self.get(name)?;
+        if t.shape != [rows, cols] {
+            return Err(self.err(
+                name,
+                format!("shape {:?}, expected [{rows}, {cols}]", t.shape),
+            ));
+        }
+        QRows::contiguous(t.dtype, rows, cols, t.data.clone()).ok_or_else(|| {
+            self.err(
+                name,
+                format!("{} bytes do not fit {rows}x{cols} of {}", t.data.len(), t.dtype),
+            )
+        })
+    }
+
+    pub fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let t = self.get(name)?;
+        if t.shape != [n] {
+            return Err(self.err(name, format!("shape {:?}, expected [{n}]", t.shape)));
+        }
+        if t.dtype.block_len() != 1 || t.dtype.row_bytes(n) != Some(t.data.len()) {
+            return Err(self.err(
+                name,
+                format!("a vector must be f32/f16/bf16 with {n} values, found {}", t.dtype),
+            ));
+        }
+        let mut v = vec![0f32; n];
+        crate::quant::dequantize_row(t.dtype, &t.data, &mut v);
+        Ok(v)
+    }
+
+    pub fn optional_vector(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
+        if self.model.tensors.contains_key(name) {
+            self.vector(name, n).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl Weights {
+    /// Arranges an imported model's tensors for compute, checking every name and shape.
+    pub fn from_imported(m: &ImportedModel) -> Result<Weights> {
+        let c = &m.config;
+        c.validate()
+            .map_err(|reason| Error::invalid_file(&m.path, reason))?;
+        let t = TensorTable { model: m };
+        let (d, q, kv, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.n_ff);
+        let token_embd = t.matrix("token_embd.weight", c.vocab_size, d)?;
+        let output = if c.tied_embeddings {
+            token_embd.clone()
+        } else {
+            t.matrix("output.weight", c.vocab_size, d)?
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            layers.push(LayerWeights {
+                attn_norm: t.vector(&n("attn_norm.weight"), d)?,
+                wq: t.matrix(&n("attn_q.weight"), q, d)?,
+                wk: t.matrix(&n("attn_k.weight"), kv, d)?,
+                wv: t.matrix(&n("attn_v.weight"), kv, d)?,
+                wo: t.matrix(&n("attn_output.weight"), d, q)?,
+                bq: t.optional_vector(&n("attn_q.bias"), q)?,
+                bk: t.optional_vector(&n("attn_k.bias"), kv)?,
+                bv: t.optional_vector(&n("attn_v.bias"), kv)?,
+                ffn_norm: t.vector(&n("ffn_norm.weight"), d)?,
+                ffn: FfnWeights {
+                    gate: t.matrix(&n("ffn_gate.weight"), ff, d)?,
+                    up: t.matrix(&n("ffn_up.weight"), ff, d)?,
+                    down: Down::Rows(t.matrix(&n("ffn_down.weight"), d, ff)?),
+                },
+            });
+        }
+        Ok(Weights {
+            config: c.clone(),
+            token_embd,
+            output_norm: t.vector("output_norm.weight", d)?,
+            output,
+            layers,
+        })
+    }
+}
