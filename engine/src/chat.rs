@@ -4,6 +4,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+/// A ChatML template for models that ship none (TEMP, replaced on merge).
+pub const CHATML_TEMPLATE: &str = "";
+
 /// One chat turn.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -26,7 +29,14 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation into prompt text.
-    pub fn render(&self, _messages: &[ChatMessage], _add_generation_prompt: bool) -> Result<String> {
-        Err(Error::ChatTemplate(format!("not yet built ({} bytes)", self.source.len())))
+    pub fn render(
+        &self,
+        _messages: &[ChatMessage],
+        _add_generation_prompt: bool,
+    ) -> Result<String> {
+        Err(Error::ChatTemplate(format!(
+            "not yet built ({} bytes)",
+            self.source.len()
+        )))
     }
 }

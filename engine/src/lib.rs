@@ -13,6 +13,7 @@ pub mod backend;
 pub mod chat;
 pub mod error;
 pub mod forward;
+pub mod generate;
 pub mod model;
 pub mod quant;
 pub mod reference;
@@ -20,3 +21,12 @@ pub mod sample;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
+
+/// Sets the number of compute threads (the global rayon pool). Call once, before any compute;
+/// returns an error if the pool was already built.
+pub fn set_compute_threads(threads: usize) -> std::result::Result<(), String> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .map_err(|e| e.to_string())
+}

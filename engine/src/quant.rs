@@ -83,8 +83,14 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// are sliced by the loader, which checked every size).
 pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
     let n = out.len();
-    let need = dtype.row_bytes(n).expect("row length is a whole number of blocks");
-    assert!(row.len() >= need, "row has {} bytes, needs {need}", row.len());
+    let need = dtype
+        .row_bytes(n)
+        .expect("row length is a whole number of blocks");
+    assert!(
+        row.len() >= need,
+        "row has {} bytes, needs {need}",
+        row.len()
+    );
     match dtype {
         DType::F32 => {
             for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
@@ -136,7 +142,9 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 /// GGML round-to-nearest rules.
 pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
     match dtype {
-        DType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F32 => x
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
         DType::F16 => x
             .iter()
             .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
@@ -193,8 +201,17 @@ mod tests {
 
     #[test]
     fn quantize_dequantize_round_trips_within_step() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.1).collect();
-        for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.1)
+            .collect();
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
             let mut bytes = Vec::new();
             quantize_row(dtype, &x, &mut bytes);
             assert_eq!(bytes.len(), dtype.row_bytes(x.len()).unwrap());

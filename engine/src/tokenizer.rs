@@ -79,3 +79,37 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 }
+
+/// TEMP stub of the streaming decoder (replaced on merge).
+#[derive(Debug)]
+pub struct TextStream<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl Tokenizer {
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tok: self,
+            ids: Vec::new(),
+            emitted: 0,
+        }
+    }
+}
+
+impl TextStream<'_> {
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids)?;
+        if text.ends_with('\u{fffd}') || text.len() <= self.emitted {
+            return Ok(None);
+        }
+        let out = text[self.emitted..].to_string();
+        self.emitted = text.len();
+        Ok(Some(out))
+    }
+    pub fn finish(&mut self) -> Result<Option<String>> {
+        Ok(None)
+    }
+}

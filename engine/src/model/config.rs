@@ -82,10 +82,16 @@ impl ModelConfig {
             ));
         }
         if self.head_dim % 2 != 0 {
-            return Err(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+            return Err(format!(
+                "head_dim {} is odd; RoPE needs pairs",
+                self.head_dim
+            ));
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
-            return Err(format!("rope_base {} is not a positive number", self.rope_base));
+            return Err(format!(
+                "rope_base {} is not a positive number",
+                self.rope_base
+            ));
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rms_eps < 1.0) {
             return Err(format!("rms_eps {} is out of range", self.rms_eps));
@@ -101,5 +107,16 @@ impl ModelConfig {
     /// Width of the Q projection.
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
+    }
+}
+
+impl FfnActivation {
+    /// The gate activation applied to one pre-activation value.
+    #[inline]
+    pub fn apply(self, g: f32) -> f32 {
+        match self {
+            FfnActivation::Silu => g / (1.0 + (-g).exp()),
+            FfnActivation::Relu => g.max(0.0),
+        }
     }
 }

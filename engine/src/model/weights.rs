@@ -71,12 +71,16 @@ impl QRows {
     }
 
     fn offset(&self, i: usize) -> usize {
-        self.first + (i / self.group_rows) * self.group_stride + (i % self.group_rows) * self.row_stride
+        self.first
+            + (i / self.group_rows) * self.group_stride
+            + (i % self.group_rows) * self.row_stride
     }
 
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
-        self.dtype.row_bytes(self.cols).expect("validated at construction")
+        self.dtype
+            .row_bytes(self.cols)
+            .expect("validated at construction")
     }
 
     /// The stored bytes of row `i`. Panics if `i >= rows` (callers index by validated shapes).
@@ -118,15 +122,15 @@ pub struct FfnWeights {
 /// One transformer block.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>, // (d_model)
-    pub wq: QRows,           // (n_heads * head_dim, d_model)
-    pub wk: QRows,           // (n_kv_heads * head_dim, d_model)
-    pub wv: QRows,           // (n_kv_heads * head_dim, d_model)
-    pub wo: QRows,           // (d_model, n_heads * head_dim)
+    pub attn_norm: Vec<f32>,  // (d_model)
+    pub wq: QRows,            // (n_heads * head_dim, d_model)
+    pub wk: QRows,            // (n_kv_heads * head_dim, d_model)
+    pub wv: QRows,            // (n_kv_heads * head_dim, d_model)
+    pub wo: QRows,            // (d_model, n_heads * head_dim)
     pub bq: Option<Vec<f32>>, // (n_heads * head_dim), Qwen2-style bias
     pub bk: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     pub bv: Option<Vec<f32>>, // (n_kv_heads * head_dim)
-    pub ffn_norm: Vec<f32>,  // (d_model)
+    pub ffn_norm: Vec<f32>,   // (d_model)
     pub ffn: FfnWeights,
 }
 
@@ -134,9 +138,9 @@ pub struct LayerWeights {
 #[derive(Clone, Debug)]
 pub struct Weights {
     pub config: ModelConfig,
-    pub token_embd: QRows,    // (vocab, d_model)
+    pub token_embd: QRows,     // (vocab, d_model)
     pub output_norm: Vec<f32>, // (d_model)
-    pub output: QRows,        // (vocab, d_model); shares token_embd's bytes when tied
+    pub output: QRows,         // (vocab, d_model); shares token_embd's bytes when tied
     pub layers: Vec<LayerWeights>,
 }
 
@@ -172,7 +176,11 @@ impl TensorTable<'_> {
         QRows::contiguous(t.dtype, rows, cols, t.data.clone()).ok_or_else(|| {
             self.err(
                 name,
-                format!("{} bytes do not fit {rows}x{cols} of {}", t.data.len(), t.dtype),
+                format!(
+                    "{} bytes do not fit {rows}x{cols} of {}",
+                    t.data.len(),
+                    t.dtype
+                ),
             )
         })
     }
@@ -185,7 +193,10 @@ impl TensorTable<'_> {
         if t.dtype.block_len() != 1 || t.dtype.row_bytes(n) != Some(t.data.len()) {
             return Err(self.err(
                 name,
-                format!("a vector must be f32/f16/bf16 with {n} values, found {}", t.dtype),
+                format!(
+                    "a vector must be f32/f16/bf16 with {n} values, found {}",
+                    t.dtype
+                ),
             ));
         }
         let mut v = vec![0f32; n];
@@ -205,11 +216,29 @@ impl TensorTable<'_> {
 impl Weights {
     /// Arranges an imported model's tensors for compute, checking every name and shape.
     pub fn from_imported(m: &ImportedModel) -> Result<Weights> {
+        let t = TensorTable { model: m };
+        let (d, ff) = (m.config.d_model, m.config.n_ff);
+        Weights::build(m, &mut |l| {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            Ok(FfnWeights {
+                gate: t.matrix(&n("ffn_gate.weight"), ff, d)?,
+                up: t.matrix(&n("ffn_up.weight"), ff, d)?,
+                down: Down::Rows(t.matrix(&n("ffn_down.weight"), d, ff)?),
+            })
+        })
+    }
+
+    /// Arranges everything but the FFN from `m`'s tensors; `ffn(layer)` supplies each layer's FFN
+    /// (from GGUF tensors, or from the neuron bundles of a `.lsm` file).
+    pub(crate) fn build(
+        m: &ImportedModel,
+        ffn: &mut dyn FnMut(usize) -> Result<FfnWeights>,
+    ) -> Result<Weights> {
         let c = &m.config;
         c.validate()
             .map_err(|reason| Error::invalid_file(&m.path, reason))?;
         let t = TensorTable { model: m };
-        let (d, q, kv, ff) = (c.d_model, c.q_dim(), c.kv_dim(), c.n_ff);
+        let (d, q, kv) = (c.d_model, c.q_dim(), c.kv_dim());
         let token_embd = t.matrix("token_embd.weight", c.vocab_size, d)?;
         let output = if c.tied_embeddings {
             token_embd.clone()
@@ -229,11 +258,7 @@ impl Weights {
                 bk: t.optional_vector(&n("attn_k.bias"), kv)?,
                 bv: t.optional_vector(&n("attn_v.bias"), kv)?,
                 ffn_norm: t.vector(&n("ffn_norm.weight"), d)?,
-                ffn: FfnWeights {
-                    gate: t.matrix(&n("ffn_gate.weight"), ff, d)?,
-                    up: t.matrix(&n("ffn_up.weight"), ff, d)?,
-                    down: Down::Rows(t.matrix(&n("ffn_down.weight"), d, ff)?),
-                },
+                ffn: ffn(l)?,
             });
         }
         Ok(Weights {

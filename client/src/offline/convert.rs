@@ -1,0 +1,71 @@
+//! `leanstream convert`: GGUF / safetensors → `.lsm`.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use leanstream_engine::model::{SourceKind, gguf, lsm, safetensors};
+use leanstream_engine::quant::DType;
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum)]
+pub enum DownType {
+    /// 2 bytes per value, relative error ~1e-4 on Q4 sources.
+    #[default]
+    F16,
+    /// ~1.06 bytes per value, relative error ~4e-3.
+    Q8_0,
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// A GGUF file or a Hugging Face safetensors directory.
+    pub src: PathBuf,
+    /// Output `.lsm` path.
+    #[arg(short = 'o', long = "output")]
+    pub dst: PathBuf,
+    /// Neurons per 4 KiB-aligned chunk (the unit of reading and caching).
+    #[arg(long, default_value_t = 32)]
+    pub chunk_neurons: usize,
+    /// Storage type of the transposed down columns.
+    #[arg(long, value_enum, default_value_t)]
+    pub down_type: DownType,
+}
+
+pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
+    let model = match SourceKind::detect(&args.src)? {
+        SourceKind::Gguf => gguf::import(&args.src)?,
+        SourceKind::SafetensorsDir => safetensors::import(&args.src)?,
+        SourceKind::Lsm => anyhow::bail!("{} is already a .lsm file", args.src.display()),
+    };
+    let opts = lsm::ConvertOptions {
+        chunk_neurons: args.chunk_neurons,
+        down_dtype: match args.down_type {
+            DownType::F16 => DType::F16,
+            DownType::Q8_0 => DType::Q8_0,
+        },
+    };
+    let bar = ProgressBar::new(model.config.n_layers as u64).with_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] layer {pos}/{len} ({elapsed})")
+            .map_err(anyhow::Error::msg)?
+            .progress_chars("=> "),
+    );
+    bar.set_message("converting FFN bundles");
+    let report = lsm::convert(&model, &args.dst, &opts, &mut |done, _| {
+        bar.set_position(done as u64)
+    })?;
+    bar.finish_and_clear();
+    println!(
+        "wrote {}: {:.1} MiB (resident {:.1} MiB, streamed {:.1} MiB in {} B chunks, padding {:.1} %)",
+        args.dst.display(),
+        report.file_bytes as f64 / (1 << 20) as f64,
+        report.resident_bytes as f64 / (1 << 20) as f64,
+        report.streamed_bytes as f64 / (1 << 20) as f64,
+        report.chunk_bytes,
+        100.0 * report.padding_bytes as f64 / report.streamed_bytes.max(1) as f64,
+    );
+    println!(
+        "down columns stored as {}: max abs error {:.3e}, relative RMS error {:.3e}",
+        opts.down_dtype, report.down_error.max_abs, report.down_error.rms_rel
+    );
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! Offline subcommands: the engine runs inside this process.
+
+pub mod convert;
+pub mod perplexity;
+pub mod run;
+
+use clap::ValueEnum;
+use leanstream_engine::backend::cpu::Precision;
+
+/// Activation precision of the quantised dot products (see the README's "Precision" section).
+#[derive(Clone, Copy, Debug, Default, ValueEnum)]
+pub enum PrecisionArg {
+    /// f32 activations over dequantised weights: within ~1e-3 of an f32 reference.
+    #[default]
+    Exact,
+    /// 8-bit activations with integer dot products (llama.cpp style): faster, ~0.1 logit error.
+    Fast,
+}
+
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Precision {
+        match p {
+            PrecisionArg::Exact => Precision::Exact,
+            PrecisionArg::Fast => Precision::Fast,
+        }
+    }
+}
+
+/// Sets the size of the compute thread pool (0 = one per core).
+pub fn init_threads(threads: usize) -> anyhow::Result<()> {
+    if threads > 0 {
+        rayon_pool(threads)?;
+    }
+    Ok(())
+}
+
+fn rayon_pool(threads: usize) -> anyhow::Result<()> {
+    leanstream_engine::set_compute_threads(threads).map_err(anyhow::Error::msg)
+}
+
+/// Peak resident memory of this process in bytes (`VmHWM`), or 0 where unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

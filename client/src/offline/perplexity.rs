@@ -1,0 +1,68 @@
+//! `leanstream perplexity`: teacher-forced mean negative log-likelihood of a text file.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::generate::score;
+use serde_json::json;
+
+use super::PrecisionArg;
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    /// A GGUF file, a Hugging Face safetensors directory or a `.lsm` file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// UTF-8 text to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// The text is scored in consecutive windows of this many tokens, each from an empty
+    /// context; the first token of a window is not predicted.
+    #[arg(long, default_value_t = 512)]
+    pub window: usize,
+    #[arg(long, value_enum, default_value_t)]
+    pub precision: PrecisionArg,
+    /// Compute threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
+    super::init_threads(args.threads)?;
+    let text =
+        std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
+    let text = String::from_utf8(text)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", args.file.display()))?;
+    let model = Model::load(&args.model)?;
+    let ids = model.tokenizer.encode(&text)?;
+    if ids.len() < 2 {
+        anyhow::bail!(
+            "{}: needs at least 2 tokens to score, has {}",
+            args.file.display(),
+            ids.len()
+        );
+    }
+    let window = args.window.clamp(2, model.weights.config.context_length);
+    let mut session = Session::new(model.clone(), window, args.precision.into())?;
+    let (mut nll, mut n) = (0.0, 0);
+    for chunk in ids.chunks(window) {
+        session.reset();
+        let (sum, count) = score(&mut session, chunk)?;
+        nll += sum;
+        n += count;
+    }
+    let mean = nll / n as f64;
+    if args.json {
+        println!("{}", json!({"tokens": n, "nll": mean, "ppl": mean.exp()}));
+    } else {
+        println!(
+            "{n} tokens scored: mean NLL {mean:.4} nats, perplexity {:.3}",
+            mean.exp()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! `leanstream run`: load a model in-process and generate, streaming text to stdout.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use leanstream_engine::chat::{ChatMessage, ChatTemplate};
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::generate::generate;
+use leanstream_engine::sample::SamplerConfig;
+use serde_json::json;
+
+use super::PrecisionArg;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// A GGUF file, a Hugging Face safetensors directory or a `.lsm` file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt text. Special tokens written in it (e.g. `<|im_start|>`) are recognised.
+    #[arg(long)]
+    pub prompt: String,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate (generation also stops at end-of-sequence).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling cut (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// KV cache size in tokens (default: the model's context length, at most 4096).
+    #[arg(long)]
+    pub context: Option<usize>,
+    #[arg(long, value_enum, default_value_t)]
+    pub precision: PrecisionArg,
+    /// Compute threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Renders `prompt` as a single user turn with the model's template (ChatML when it has none).
+pub fn chat_prompt(model: &Model, prompt: &str) -> anyhow::Result<String> {
+    let source = model
+        .chat_template
+        .as_deref()
+        .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
+    let tok = &model.tokenizer;
+    let name = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
+    let bos = name(tok.specials().bos);
+    let eos = name(tok.specials().eos.first().copied());
+    let template = ChatTemplate::new(source, &bos, &eos)?;
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: prompt.into(),
+    }];
+    Ok(template.render(&messages, true)?)
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    super::init_threads(args.threads)?;
+    let model = Model::load(&args.model)?;
+    let text = if args.chat {
+        chat_prompt(&model, &args.prompt)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_ids = model.tokenizer.encode(&text)?;
+    let context = args
+        .context
+        .unwrap_or(model.weights.config.context_length.min(4096));
+    let mut session = Session::new(model.clone(), context, args.precision.into())?;
+    let sampler = SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..Default::default()
+    };
+    let eos = model.tokenizer.specials().eos.clone();
+    let mut stream = model.tokenizer.stream();
+    let mut stdout = std::io::stdout().lock();
+    let mut failure = None;
+    let generation = generate(
+        &mut session,
+        &prompt_ids,
+        args.max_tokens,
+        &sampler,
+        &eos,
+        |id| {
+            if args.json {
+                return true;
+            }
+            let piece = stream
+                .push(id)
+                .map(|p| p.map(|s| stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush())));
+            match piece {
+                Ok(Some(Err(e))) => failure = Some(anyhow::Error::from(e)),
+                Err(e) => failure = Some(e.into()),
+                _ => {}
+            }
+            failure.is_none()
+        },
+    )
+    .with_context(|| format!("generating with {}", args.model.display()))?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let stats = &generation.stats;
+    let peak = super::peak_rss_bytes();
+    if args.json {
+        let out = json!({
+            "prompt_ids": prompt_ids,
+            "ids": generation.ids,
+            "text": model.tokenizer.decode(&generation.ids)?,
+            "stop_reason": format!("{:?}", generation.stop).to_lowercase(),
+            "stats": {
+                "prefill_tokens_per_s": stats.prefill_tokens_per_s(),
+                "decode_tokens_per_s": stats.decode_tokens_per_s(),
+                "peak_rss_bytes": peak,
+                "prompt_tokens": stats.prompt_tokens,
+                "generated_tokens": stats.generated_tokens,
+                "precision": format!("{:?}", args.precision).to_lowercase(),
+                "kernel": leanstream_engine::backend::cpu::kernel_name(),
+            }
+        });
+        writeln!(stdout, "{out}")?;
+    } else {
+        if let Some(rest) = stream.finish()? {
+            stdout.write_all(rest.as_bytes())?;
+        }
+        writeln!(stdout)?;
+        eprintln!(
+            "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, peak RSS {:.0} MiB, {:?} precision, {} kernels]",
+            stats.prompt_tokens,
+            stats.prefill_tokens_per_s(),
+            stats.generated_tokens,
+            stats.decode_tokens_per_s(),
+            peak as f64 / (1 << 20) as f64,
+            args.precision,
+            leanstream_engine::backend::cpu::kernel_name(),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,153 @@
+//! The generation loop: prefill the prompt, then sample token by token until a stop condition.
+
+use std::time::{Duration, Instant};
+
+use crate::forward::Session;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::{Error, Result};
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-sequence token (it is included in the output).
+    Eos,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The session's context filled up.
+    ContextFull,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+/// Timings and counts of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Time to run the prompt through the model (including the first token's logits).
+    pub prefill: Duration,
+    /// Time for the remaining forward passes (one per generated token after the first).
+    pub decode: Duration,
+}
+
+impl GenerationStats {
+    /// Prompt tokens per second.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill)
+    }
+
+    /// Generated tokens per second, counting the forward passes of the decode phase.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        rate(self.generated_tokens.saturating_sub(1), self.decode)
+    }
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+/// The result of [`generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub ids: Vec<u32>,
+    pub stop: StopReason,
+    pub stats: GenerationStats,
+}
+
+/// Runs `prompt` then generates up to `max_tokens` tokens, calling `on_token` with each new id as
+/// soon as it is sampled; `on_token` returns `false` to stop. Stops after any of `stop_ids`.
+///
+/// The session continues from its current position (a chat keeps its KV cache between turns).
+/// Errors before any work if the prompt is empty or does not fit in the remaining context.
+pub fn generate(
+    session: &mut Session,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampler: &SamplerConfig,
+    stop_ids: &[u32],
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidArgument {
+            arg: "prompt",
+            reason: "is empty".into(),
+        });
+    }
+    let room = session.max_context() - session.position();
+    if prompt.len() > room {
+        return Err(Error::InvalidArgument {
+            arg: "prompt",
+            reason: format!(
+                "{} tokens do not fit in the context ({} of {} tokens free)",
+                prompt.len(),
+                room,
+                session.max_context()
+            ),
+        });
+    }
+    let vocab = session.model().weights.config.vocab_size;
+    let mut sampler = Sampler::new(sampler.clone(), vocab)?;
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + max_tokens);
+    history.extend_from_slice(prompt);
+    let mut ids = Vec::with_capacity(max_tokens);
+
+    let start = Instant::now();
+    let (last, rest) = prompt.split_last().expect("checked non-empty above");
+    for &t in rest {
+        session.forward(t)?;
+    }
+    let mut next = sampler.sample(session.forward(*last)?, &history);
+    stats.prefill = start.elapsed();
+
+    let decode_start = Instant::now();
+    let stop = loop {
+        if ids.len() == max_tokens {
+            break StopReason::MaxTokens;
+        }
+        ids.push(next);
+        history.push(next);
+        if !on_token(next) {
+            break StopReason::Cancelled;
+        }
+        if stop_ids.contains(&next) {
+            break StopReason::Eos;
+        }
+        if ids.len() == max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if session.position() >= session.max_context() {
+            break StopReason::ContextFull;
+        }
+        next = sampler.sample(session.forward(next)?, &history);
+    };
+    stats.decode = decode_start.elapsed();
+    stats.generated_tokens = ids.len();
+    Ok(Generation { ids, stop, stats })
+}
+
+/// Teacher-forced negative log-likelihood of `tokens` (natural log, summed) and the number of
+/// predicted tokens, continuing from the session's position.
+pub fn score(session: &mut Session, tokens: &[u32]) -> Result<(f64, usize)> {
+    let mut nll = 0.0f64;
+    let mut n = 0;
+    for pair in tokens.windows(2) {
+        let logits = session.forward(pair[0])?;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_sum: f64 = logits
+            .iter()
+            .map(|&l| f64::from(l - max).exp())
+            .sum::<f64>()
+            .ln();
+        nll += log_sum - f64::from(logits[pair[1] as usize] - max);
+        n += 1;
+    }
+    Ok((nll, n))
+}

@@ -1,0 +1,328 @@
+//! `leanstream convert`: writes a `.lsm` file from any imported model.
+//!
+//! Sections are written first, after a gap reserved for the header (its size is bounded by
+//! serialising it with the widest possible numbers); the header goes in last. Output goes to
+//! `DST.partial` and is renamed into place only when complete, so a failed conversion never leaves
+//! a half-written model behind.
+
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use super::{
+    ALIGN, DownError, FfnLayout, Header, MAGIC, PREAMBLE_LEN, Section, TensorEntry, VERSION,
+};
+use crate::model::{Down, ImportedModel, QRows, Weights};
+use crate::quant::{DType, quantize_row};
+use crate::{Error, Result};
+
+/// Conversion settings.
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    /// Neurons per chunk (the unit of reading and caching). Default 32.
+    pub chunk_neurons: usize,
+    /// Storage type of the transposed down columns: `F16` (default) or `Q8_0`.
+    pub down_dtype: DType,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            chunk_neurons: 32,
+            down_dtype: DType::F16,
+        }
+    }
+}
+
+/// What a conversion wrote.
+#[derive(Clone, Debug)]
+pub struct ConvertReport {
+    pub file_bytes: u64,
+    pub resident_bytes: u64,
+    pub streamed_bytes: u64,
+    /// Bytes of chunk padding inside the streamed section.
+    pub padding_bytes: u64,
+    pub chunk_bytes: usize,
+    pub down_error: DownError,
+}
+
+fn align_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+fn is_ffn_tensor(name: &str) -> bool {
+    name.starts_with("blk.")
+        && [".ffn_gate.weight", ".ffn_up.weight", ".ffn_down.weight"]
+            .iter()
+            .any(|s| name.ends_with(s))
+}
+
+struct Out {
+    w: BufWriter<File>,
+    path: PathBuf,
+    pos: u64,
+}
+
+impl Out {
+    fn write(&mut self, b: &[u8]) -> Result<()> {
+        self.w.write_all(b).map_err(|e| Error::io(&self.path, e))?;
+        self.pos += b.len() as u64;
+        Ok(())
+    }
+
+    fn pad_to(&mut self, at: u64) -> Result<()> {
+        const ZEROS: [u8; ALIGN] = [0; ALIGN];
+        while self.pos < at {
+            let n = ((at - self.pos) as usize).min(ALIGN);
+            self.write(&ZEROS[..n])?;
+        }
+        Ok(())
+    }
+}
+
+/// Converts `src` into a `.lsm` file at `dst`, calling `progress(done, total)` per FFN layer.
+pub fn convert(
+    src: &ImportedModel,
+    dst: &Path,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ConvertReport> {
+    if opts.chunk_neurons == 0 || opts.chunk_neurons > 4096 {
+        return Err(Error::InvalidArgument {
+            arg: "chunk_neurons",
+            reason: format!("{} is outside 1..=4096", opts.chunk_neurons),
+        });
+    }
+    if !matches!(opts.down_dtype, DType::F16 | DType::Q8_0 | DType::F32) {
+        return Err(Error::InvalidArgument {
+            arg: "down_dtype",
+            reason: format!("{} is not one of f16, q8_0, f32", opts.down_dtype),
+        });
+    }
+    let weights = Weights::from_imported(src)?;
+    let c = &weights.config;
+    let (d, n_ff, k) = (c.d_model, c.n_ff, opts.chunk_neurons);
+    let first = &weights.layers[0].ffn;
+    let (gate_dtype, up_dtype) = (first.gate.dtype, first.up.dtype);
+    let down_row = opts
+        .down_dtype
+        .row_bytes(d)
+        .ok_or_else(|| Error::InvalidArgument {
+            arg: "down_dtype",
+            reason: format!(
+                "d_model {d} is not a whole number of {} blocks",
+                opts.down_dtype
+            ),
+        })?;
+    let bundle_bytes = first.gate.row_bytes() + first.up.row_bytes() + down_row;
+    let chunk_bytes = align_up((k * bundle_bytes) as u64) as usize;
+    let chunks = n_ff.div_ceil(k);
+
+    // The header with the widest numbers bounds the real one: reserve that much.
+    let mut header = Header {
+        config: c.clone(),
+        tokenizer_json: src.tokenizer.to_json()?,
+        special_tokens: src.tokenizer.specials().clone(),
+        chat_template: src.chat_template.clone(),
+        source: src
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        resident: Section {
+            offset: u64::MAX,
+            len: u64::MAX,
+            crc32: u32::MAX,
+        },
+        streamed: Section {
+            offset: u64::MAX,
+            len: u64::MAX,
+            crc32: u32::MAX,
+        },
+        tensors: Vec::new(),
+        ffn: FfnLayout {
+            chunk_neurons: k,
+            gate_dtype,
+            up_dtype,
+            down_dtype: opts.down_dtype,
+            bundle_bytes,
+            chunk_bytes,
+            layer_offsets: vec![u64::MAX; c.n_layers],
+            chunk_crc32: vec![vec![u32::MAX; chunks]; c.n_layers],
+            permutation: Vec::new(),
+            down_error: DownError {
+                max_abs: f32::MAX,
+                rms_rel: f32::MAX,
+            },
+        },
+        calibration: None,
+    };
+    let resident: Vec<_> = src
+        .tensors
+        .iter()
+        .filter(|(n, _)| !is_ffn_tensor(n))
+        .collect();
+    header.tensors = resident
+        .iter()
+        .map(|(n, t)| TensorEntry {
+            name: n.to_string(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            offset: u64::MAX,
+            len: u64::MAX,
+        })
+        .collect();
+    let reserve = serde_json::to_vec(&header)
+        .map_err(|e| Error::invalid_file(dst, e.to_string()))?
+        .len();
+
+    let partial = dst.with_extension("lsm.partial");
+    let file = File::create(&partial).map_err(|e| Error::io(&partial, e))?;
+    let mut out = Out {
+        w: BufWriter::with_capacity(1 << 20, file),
+        path: partial.clone(),
+        pos: 0,
+    };
+    let result = (|| {
+        out.pad_to(align_up((PREAMBLE_LEN + reserve) as u64))?;
+
+        // Resident section: tensors in their source type, 64-byte aligned.
+        let res_start = out.pos;
+        let mut crc = crc32fast::Hasher::new();
+        for (entry, (_, t)) in header.tensors.iter_mut().zip(&resident) {
+            let at = out.pos.div_ceil(64) * 64;
+            crc.update(&vec![0u8; (at - out.pos) as usize]);
+            out.pad_to(at)?;
+            entry.offset = at - res_start;
+            entry.len = t.data.len() as u64;
+            crc.update(&t.data);
+            out.write(&t.data)?;
+        }
+        header.resident = Section {
+            offset: res_start,
+            len: out.pos - res_start,
+            crc32: crc.finalize(),
+        };
+
+        // Streamed section: per layer, chunks of neuron bundles.
+        out.pad_to(align_up(out.pos))?;
+        let str_start = out.pos;
+        let mut section_crc = crc32fast::Hasher::new();
+        let mut err = ErrorStats::default();
+        let mut chunk = Vec::with_capacity(chunk_bytes);
+        for (l, layer) in weights.layers.iter().enumerate() {
+            let Down::Rows(down) = &layer.ffn.down else {
+                return Err(Error::invalid_file(
+                    &src.path,
+                    "source FFN down must be a plain matrix",
+                ));
+            };
+            let columns = down_columns(down, opts.down_dtype, &mut err);
+            header.ffn.layer_offsets[l] = out.pos - str_start;
+            for ci in 0..chunks {
+                chunk.clear();
+                for i in ci * k..((ci + 1) * k).min(n_ff) {
+                    chunk.extend_from_slice(layer.ffn.gate.row(i));
+                    chunk.extend_from_slice(layer.ffn.up.row(i));
+                    chunk.extend_from_slice(&columns[i * down_row..(i + 1) * down_row]);
+                }
+                chunk.resize(chunk_bytes, 0);
+                header.ffn.chunk_crc32[l][ci] = crc32fast::hash(&chunk);
+                section_crc.update(&chunk);
+                out.write(&chunk)?;
+            }
+            progress(l + 1, c.n_layers);
+        }
+        header.streamed = Section {
+            offset: str_start,
+            len: out.pos - str_start,
+            crc32: section_crc.finalize(),
+        };
+        header.ffn.down_error = err.finish();
+
+        // Header and preamble, into the reserved gap.
+        let json =
+            serde_json::to_vec(&header).map_err(|e| Error::invalid_file(dst, e.to_string()))?;
+        assert!(json.len() <= reserve, "header outgrew its reservation");
+        let mut pre = [0u8; PREAMBLE_LEN];
+        pre[..8].copy_from_slice(&MAGIC);
+        pre[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        pre[16..24].copy_from_slice(&(json.len() as u64).to_le_bytes());
+        pre[24..28].copy_from_slice(&crc32fast::hash(&json).to_le_bytes());
+        let file_bytes = out.pos;
+        out.w.flush().map_err(|e| Error::io(&partial, e))?;
+        let file = out.w.get_mut();
+        file.seek(SeekFrom::Start(0))
+            .map_err(|e| Error::io(&partial, e))?;
+        file.write_all(&pre)
+            .and_then(|_| file.write_all(&json))
+            .map_err(|e| Error::io(&partial, e))?;
+        file.sync_all().map_err(|e| Error::io(&partial, e))?;
+        Ok(ConvertReport {
+            file_bytes,
+            resident_bytes: header.resident.len,
+            streamed_bytes: header.streamed.len,
+            padding_bytes: (chunk_bytes * chunks * c.n_layers - bundle_bytes * n_ff * c.n_layers)
+                as u64,
+            chunk_bytes,
+            down_error: header.ffn.down_error.clone(),
+        })
+    })();
+    match result {
+        Ok(report) => {
+            std::fs::rename(&partial, dst).map_err(|e| Error::io(dst, e))?;
+            Ok(report)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            Err(e)
+        }
+    }
+}
+
+#[derive(Default)]
+struct ErrorStats {
+    max_abs: f32,
+    sq_err: f64,
+    sq_src: f64,
+}
+
+impl ErrorStats {
+    fn finish(&self) -> DownError {
+        DownError {
+            max_abs: self.max_abs,
+            rms_rel: if self.sq_src > 0.0 {
+                (self.sq_err / self.sq_src).sqrt() as f32
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// Transposes the down matrix `(d_model, n_ff)` into neuron-major columns encoded in `dtype`,
+/// accumulating the re-encoding error.
+fn down_columns(down: &QRows, dtype: DType, err: &mut ErrorStats) -> Vec<u8> {
+    let (d, n_ff) = (down.rows, down.cols);
+    let mut dense = vec![0f32; d * n_ff];
+    for (j, row) in dense.chunks_exact_mut(n_ff).enumerate() {
+        down.dequantize_row(j, row);
+    }
+    let mut out = Vec::with_capacity(n_ff * dtype.row_bytes(d).unwrap_or(0));
+    let mut col = vec![0f32; d];
+    let mut back = vec![0f32; d];
+    for i in 0..n_ff {
+        for (j, v) in col.iter_mut().enumerate() {
+            *v = dense[j * n_ff + i];
+        }
+        let start = out.len();
+        quantize_row(dtype, &col, &mut out);
+        crate::quant::dequantize_row(dtype, &out[start..], &mut back);
+        for (a, b) in col.iter().zip(&back) {
+            err.max_abs = err.max_abs.max((a - b).abs());
+            err.sq_err += f64::from(a - b).powi(2);
+            err.sq_src += f64::from(*a).powi(2);
+        }
+    }
+    out
+}
