@@ -1,0 +1,94 @@
+//! The engine on the real SmolLM2-135M file, from the GGUF and from its `.lsm`, against the
+//! independent reference fixture and against our own reference forward pass.
+
+mod common;
+
+use std::path::Path;
+
+use common::{FIXTURE, heldout_text, real_gguf, real_lsm, top_n};
+use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::generate::{generate, score};
+use leanstream_engine::reference::Reference;
+use leanstream_engine::sample::SamplerConfig;
+
+fn check_fixture(path: &Path) {
+    let model = Model::load(path).expect("load model");
+    for case in &FIXTURE {
+        let ids = model.tokenizer.encode(case.prompt).expect("encode");
+        assert_eq!(ids, case.prompt_ids, "prompt ids of {:?}", case.prompt);
+
+        let mut session = Session::new(model.clone(), 64, Precision::Exact).expect("session");
+        let (last, rest) = ids.split_last().expect("non-empty");
+        for &t in rest {
+            session.forward(t).expect("forward");
+        }
+        let top = top_n(session.forward(*last).expect("forward"), 5);
+        for ((id, logit), (want_id, want)) in top.iter().zip(case.top5) {
+            assert_eq!(*id, want_id, "top-5 ids of {:?}: {top:?}", case.prompt);
+            assert!((logit - want).abs() < 0.05, "logit of {id}: {logit} vs reference {want}");
+        }
+
+        let mut session = Session::new(model.clone(), 64, Precision::Exact).expect("session");
+        let eos = model.tokenizer.specials().eos.clone();
+        let g = generate(&mut session, &ids, 16, &SamplerConfig::default(), &eos, |_| true)
+            .expect("generate");
+        assert_eq!(g.ids, case.greedy_ids, "greedy ids of {:?}", case.prompt);
+    }
+}
+
+#[test]
+fn gguf_matches_the_independent_reference() {
+    check_fixture(&real_gguf());
+}
+
+#[test]
+fn lsm_matches_the_independent_reference() {
+    check_fixture(&real_lsm());
+}
+
+#[test]
+fn engine_logits_match_our_reference_forward_pass() {
+    for path in [real_gguf(), real_lsm()] {
+        let model = Model::load(&path).expect("load");
+        let mut reference = Reference::new(&model.weights);
+        let mut session = Session::new(model.clone(), 32, Precision::Exact).expect("session");
+        let ids = model.tokenizer.encode(FIXTURE[0].prompt).expect("encode");
+        for &t in &ids {
+            let want = reference.forward(t);
+            let got = session.forward(t).expect("forward");
+            let max_diff = want.iter().zip(got.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(max_diff < 5e-3, "{}: max |logit diff| {max_diff} at token {t}", path.display());
+        }
+    }
+}
+
+#[test]
+fn fast_precision_stays_close_to_exact() {
+    let model = Model::load(&real_gguf()).expect("load");
+    for case in &FIXTURE {
+        let mut exact = Session::new(model.clone(), 32, Precision::Exact).expect("session");
+        let mut fast = Session::new(model.clone(), 32, Precision::Fast).expect("session");
+        for &t in case.prompt_ids {
+            let a = exact.forward(t).expect("forward").to_vec();
+            let b = fast.forward(t).expect("forward");
+            let max_diff = a.iter().zip(b.iter()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(max_diff < 0.5, "fast vs exact: max |logit diff| {max_diff}");
+        }
+        assert_eq!(top_n(fast.forward(case.greedy_ids[0]).expect("forward"), 1)[0].0, case.greedy_ids[1]);
+    }
+}
+
+#[test]
+fn lsm_and_gguf_agree_on_held_out_perplexity() {
+    let ppl = |path: &Path| {
+        let model = Model::load(path).expect("load");
+        let ids = model.tokenizer.encode(&heldout_text()).expect("encode");
+        let mut session = Session::new(model.clone(), 256, Precision::Exact).expect("session");
+        let (nll, n) = score(&mut session, &ids[..256]).expect("score");
+        (nll / n as f64).exp()
+    };
+    let (a, b) = (ppl(&real_gguf()), ppl(&real_lsm()));
+    assert!(a > 1.0 && a < 100.0, "implausible perplexity {a}");
+    assert!(((a - b) / a).abs() < 0.005, "GGUF perplexity {a} vs .lsm {b}");
+}
