@@ -166,7 +166,7 @@ fn check_common(v: &GgufVocab) -> Result<()> {
 }
 
 /// Token text → id; the first occurrence wins when a (broken) vocabulary repeats a text.
-fn vocab_map(tokens: &[String]) -> Vocab {
+pub(super) fn vocab_map(tokens: &[String]) -> Vocab {
     let mut map = Vocab::with_capacity(tokens.len());
     for (id, t) in tokens.iter().enumerate() {
         // `check_common` bounds the count by MAX_VOCAB, so the id fits in u32.
@@ -207,7 +207,7 @@ pub(super) fn build(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
     check_common(v)?;
     match v.model.as_str() {
         "gpt2" => build_byte_level(v),
-        "llama" => build_sentencepiece(v),
+        "llama" => super::spm::build(v),
         other => Err(Error::Tokenizer(format!(
             "unsupported tokenizer model `tokenizer.ggml.model = {other}` (supported: gpt2, llama)"
         ))),
@@ -244,7 +244,7 @@ fn build_byte_level(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
 
 /// Adds control (special) and user-defined tokens so that they are matched as single ids when
 /// written in text.
-fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Result<()> {
+pub(super) fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Result<()> {
     let added: Vec<AddedToken> = v
         .token_types
         .iter()
@@ -259,12 +259,6 @@ fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Result<()> {
             .map_err(|e| Error::Tokenizer(format!("adding special tokens: {e}")))?;
     }
     Ok(())
-}
-
-fn build_sentencepiece(_v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
-    Err(Error::Tokenizer(
-        "SentencePiece (`tokenizer.ggml.model = llama`) vocabularies are not supported yet".into(),
-    ))
 }
 
 /// Checks the merges of a `tokenizer.json` BPE model before `tokenizers` sees them (it panics on

@@ -10,6 +10,7 @@
 //!   completed text out, with split multi-byte characters held back until they are whole.
 
 mod gguf;
+mod spm;
 mod stream;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
