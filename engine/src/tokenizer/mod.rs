@@ -61,7 +61,7 @@ pub struct SpecialTokens {
 /// A model's tokenizer.
 ///
 /// Invariants: every id in `specials` is `< vocab_size`; `special_ids` is sorted.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     specials: SpecialTokens,
@@ -69,6 +69,17 @@ pub struct Tokenizer {
     vocab_size: usize,
     /// Ids of control tokens (added tokens marked special) and of `specials`, sorted.
     special_ids: Vec<u32>,
+}
+
+/// A summary: the derived form would print the whole vocabulary.
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("specials", &self.specials)
+            .field("special_ids", &self.special_ids.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Tokenizer {
