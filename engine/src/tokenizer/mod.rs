@@ -1,0 +1,231 @@
+//! Text ↔ token ids through the `tokenizers` crate (pure-Rust features only).
+//!
+//! - [`Tokenizer::from_gguf`] builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`):
+//!   byte-level BPE (`gpt2`) with llama.cpp's per-`pre` split rules, or SentencePiece BPE
+//!   (`llama`) from scores. See [`gguf`] for the supported `pre` values.
+//! - [`Tokenizer::to_json`] / [`Tokenizer::from_json`] store and reload it as `tokenizer.json`
+//!   text (the `.lsm` file keeps it that way); the special ids travel separately as
+//!   [`SpecialTokens`].
+//! - [`Tokenizer::stream`] gives a [`TextStream`] for the generation loop: one id in, the newly
+//!   completed text out, with split multi-byte characters held back until they are whole.
+
+mod gguf;
+mod spm;
+mod stream;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+pub use gguf::{MAX_VOCAB, SUPPORTED_PRE};
+pub use stream::TextStream;
+
+/// The tokenizer fields of a GGUF file's metadata (`tokenizer.ggml.*`).
+#[derive(Clone, Debug, Default)]
+pub struct GgufVocab {
+    /// `tokenizer.ggml.model`, e.g. `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE).
+    pub model: String,
+    /// `tokenizer.ggml.pre`, e.g. `smollm`, `llama-bpe`, `qwen2`. Absent means `default`.
+    pub pre: Option<String>,
+    /// `tokenizer.ggml.tokens`: token text by id (byte-level tokens use GPT-2's byte↔char map).
+    pub tokens: Vec<String>,
+    /// GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+    /// Empty means "all normal"; otherwise exactly one per token.
+    pub token_types: Vec<i32>,
+    /// `tokenizer.ggml.merges`: `"left right"`, highest priority first (`gpt2` only).
+    pub merges: Vec<String>,
+    /// `tokenizer.ggml.scores`: one per token (`llama` only; higher merges first). Empty when
+    /// the file has none.
+    pub scores: Vec<f32>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub unk: Option<u32>,
+    /// `tokenizer.ggml.add_bos_token`.
+    pub add_bos: bool,
+    /// `tokenizer.ggml.add_space_prefix` (`llama` only; llama.cpp's default is `true`).
+    pub add_space_prefix: Option<bool>,
+}
+
+/// Ids with a special meaning to generation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpecialTokens {
+    pub bos: Option<u32>,
+    /// Generation stops at any of these.
+    pub eos: Vec<u32>,
+    /// Prepend `bos` when encoding a prompt.
+    pub add_bos: bool,
+}
+
+/// A model's tokenizer.
+///
+/// Invariants: every id in `specials` is `< vocab_size`; `special_ids` is sorted.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    specials: SpecialTokens,
+    /// One past the largest id the tokenizer knows (model vocabulary and added tokens).
+    vocab_size: usize,
+    /// Ids of control tokens (added tokens marked special) and of `specials`, sorted.
+    special_ids: Vec<u32>,
+}
+
+/// A summary: the derived form would print the whole vocabulary.
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("specials", &self.specials)
+            .field("special_ids", &self.special_ids.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer described by GGUF metadata. Bad metadata (too many tokens, merges
+    /// naming missing tokens, ids out of range, an unknown `pre`) is an [`Error::Tokenizer`]
+    /// naming what is wrong; it never panics.
+    pub fn from_gguf(v: &GgufVocab) -> Result<Tokenizer> {
+        let inner = gguf::build(v)?;
+        let specials = SpecialTokens {
+            bos: v.bos,
+            eos: v.eos.into_iter().collect(),
+            add_bos: v.add_bos,
+        };
+        Tokenizer::assemble(inner, specials)
+    }
+
+    /// Loads `tokenizer.json` text (with special tokens given by the caller, from config files
+    /// or the `.lsm` header). A malformed file is an [`Error::Tokenizer`], never a panic.
+    pub fn from_json(json: &str, specials: SpecialTokens) -> Result<Tokenizer> {
+        gguf::check_json_merges(json)?;
+        let parsed = catch_unwind(AssertUnwindSafe(|| {
+            tokenizers::Tokenizer::from_bytes(json.as_bytes())
+        }))
+        .map_err(|_| {
+            Error::Tokenizer("tokenizer.json could not be loaded (parser panicked)".into())
+        })?;
+        let inner = parsed.map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
+        Tokenizer::assemble(inner, specials)
+    }
+
+    /// Checks `specials` against the vocabulary and caches the lookups `is_special` needs.
+    fn assemble(inner: tokenizers::Tokenizer, specials: SpecialTokens) -> Result<Tokenizer> {
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .map(|&id| id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let ids = specials.bos.iter().chain(specials.eos.iter());
+        for &id in ids.clone() {
+            if id as usize >= vocab_size {
+                return Err(Error::Tokenizer(format!(
+                    "special token id {id} is out of range (vocabulary size {vocab_size})"
+                )));
+            }
+        }
+        if specials.add_bos && specials.bos.is_none() {
+            return Err(Error::Tokenizer(
+                "add_bos is set but there is no bos token".into(),
+            ));
+        }
+        let mut special_ids: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .chain(ids.copied())
+            .collect();
+        special_ids.sort_unstable();
+        special_ids.dedup();
+        Ok(Tokenizer {
+            inner,
+            specials,
+            vocab_size,
+            special_ids,
+        })
+    }
+
+    /// Serialises to `tokenizer.json` form (stored inside `.lsm` files). The special ids are
+    /// not part of it: store [`Tokenizer::specials`] alongside.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// The ids with a meaning to generation.
+    pub fn specials(&self) -> &SpecialTokens {
+        &self.specials
+    }
+
+    /// Number of ids: one past the largest id the tokenizer knows. For a GGUF vocabulary this is
+    /// the number of tokens (the rows of the embedding matrix).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The token text of `id` as stored in the vocabulary (byte-level tokens in their mapped
+    /// form, e.g. `Ġthe`), or `None` for an unknown id.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of a token text exactly as stored in the vocabulary (e.g. `<|im_end|>`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Whether `id` is a control token (GGUF type 3, or an added token marked special) or one
+    /// of the bos/eos ids.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special_ids.binary_search(&id).is_ok()
+    }
+
+    /// Whether generation stops at `id`.
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.specials.eos.contains(&id)
+    }
+
+    /// Encodes text, prepending `bos` when [`SpecialTokens::add_bos`] is set. Special tokens
+    /// written in the text (e.g. `<|im_start|>`) are recognised as single ids, so text from an
+    /// untrusted user should be checked or escaped before it is put into a prompt.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let ids = enc.get_ids();
+        let mut out = Vec::with_capacity(ids.len() + 1);
+        if self.specials.add_bos {
+            out.extend(self.specials.bos);
+        }
+        out.extend_from_slice(ids);
+        Ok(out)
+    }
+
+    /// Decodes ids to text, special tokens included. Unknown ids are an error; bytes that do not
+    /// form UTF-8 come out as U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(Error::Tokenizer(format!(
+                "token id {bad} is out of range (vocabulary size {})",
+                self.vocab_size
+            )));
+        }
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    /// A streaming decoder for one generation: push ids as they are sampled, get text back as
+    /// soon as it is complete. See [`TextStream`].
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream::new(self)
+    }
+}
+
+#[cfg(test)]
+mod tests;
