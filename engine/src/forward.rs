@@ -249,9 +249,10 @@ impl Session {
                     .for_each(|(part, acc)| {
                         acc.fill(0.0);
                         let end = ((part + 1) * per_part).min(m.rows);
-                        for i in part * per_part..end {
-                            if act[i] != 0.0 {
-                                cpu::axpy(m.dtype, m.row(i), act[i], acc);
+                        let start = (part * per_part).min(end);
+                        for (i, &a) in act.iter().enumerate().take(end).skip(start) {
+                            if a != 0.0 {
+                                cpu::axpy(m.dtype, m.row(i), a, acc);
                             }
                         }
                     });

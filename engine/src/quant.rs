@@ -47,7 +47,7 @@ impl DType {
 
     /// Bytes taken by a row of `n` values, or `None` when `n` is not a whole number of blocks.
     pub const fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_len() != 0 {
+        if !n.is_multiple_of(self.block_len()) {
             return None;
         }
         Some(n / self.block_len() * self.block_bytes())

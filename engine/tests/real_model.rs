@@ -26,13 +26,23 @@ fn check_fixture(path: &Path) {
         let top = top_n(session.forward(*last).expect("forward"), 5);
         for ((id, logit), (want_id, want)) in top.iter().zip(case.top5) {
             assert_eq!(*id, want_id, "top-5 ids of {:?}: {top:?}", case.prompt);
-            assert!((logit - want).abs() < 0.05, "logit of {id}: {logit} vs reference {want}");
+            assert!(
+                (logit - want).abs() < 0.05,
+                "logit of {id}: {logit} vs reference {want}"
+            );
         }
 
         let mut session = Session::new(model.clone(), 64, Precision::Exact).expect("session");
         let eos = model.tokenizer.specials().eos.clone();
-        let g = generate(&mut session, &ids, 16, &SamplerConfig::default(), &eos, |_| true)
-            .expect("generate");
+        let g = generate(
+            &mut session,
+            &ids,
+            16,
+            &SamplerConfig::default(),
+            &eos,
+            |_| true,
+        )
+        .expect("generate");
         assert_eq!(g.ids, case.greedy_ids, "greedy ids of {:?}", case.prompt);
     }
 }
@@ -57,8 +67,16 @@ fn engine_logits_match_our_reference_forward_pass() {
         for &t in &ids {
             let want = reference.forward(t);
             let got = session.forward(t).expect("forward");
-            let max_diff = want.iter().zip(got.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(max_diff < 5e-3, "{}: max |logit diff| {max_diff} at token {t}", path.display());
+            let max_diff = want
+                .iter()
+                .zip(got.iter())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                max_diff < 5e-3,
+                "{}: max |logit diff| {max_diff} at token {t}",
+                path.display()
+            );
         }
     }
 }
@@ -72,10 +90,17 @@ fn fast_precision_stays_close_to_exact() {
         for &t in case.prompt_ids {
             let a = exact.forward(t).expect("forward").to_vec();
             let b = fast.forward(t).expect("forward");
-            let max_diff = a.iter().zip(b.iter()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let max_diff = a
+                .iter()
+                .zip(b.iter())
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
             assert!(max_diff < 0.5, "fast vs exact: max |logit diff| {max_diff}");
         }
-        assert_eq!(top_n(fast.forward(case.greedy_ids[0]).expect("forward"), 1)[0].0, case.greedy_ids[1]);
+        assert_eq!(
+            top_n(fast.forward(case.greedy_ids[0]).expect("forward"), 1)[0].0,
+            case.greedy_ids[1]
+        );
     }
 }
 
@@ -90,5 +115,8 @@ fn lsm_and_gguf_agree_on_held_out_perplexity() {
     };
     let (a, b) = (ppl(&real_gguf()), ppl(&real_lsm()));
     assert!(a > 1.0 && a < 100.0, "implausible perplexity {a}");
-    assert!(((a - b) / a).abs() < 0.005, "GGUF perplexity {a} vs .lsm {b}");
+    assert!(
+        ((a - b) / a).abs() < 0.005,
+        "GGUF perplexity {a} vs .lsm {b}"
+    );
 }

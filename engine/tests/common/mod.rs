@@ -6,9 +6,12 @@ use std::sync::OnceLock;
 
 /// The real test model. CI fetches it with `scripts/fetch-model`; a missing file fails loudly.
 pub fn real_gguf() -> PathBuf {
-    let path = std::env::var_os("LEANSTREAM_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
+    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
     assert!(
         path.is_file(),
         "the real test model is missing at {}: run scripts/fetch-model",
@@ -49,14 +52,30 @@ pub const FIXTURE: [FixtureCase; 2] = [
     FixtureCase {
         prompt: "Once upon a time, there was a little",
         prompt_ids: &[6403, 1980, 253, 655, 28, 665, 436, 253, 1838],
-        greedy_ids: &[8180, 3365, 20391, 617, 5732, 288, 1238, 281, 260, 2388, 30, 2306, 736, 1129, 685, 288],
-        top5: [(8180, 17.550_9), (3102, 17.057_7), (6560, 15.064_3), (5432, 14.987_7), (7706, 14.951_7)],
+        greedy_ids: &[
+            8180, 3365, 20391, 617, 5732, 288, 1238, 281, 260, 2388, 30, 2306, 736, 1129, 685, 288,
+        ],
+        top5: [
+            (8180, 17.550_9),
+            (3102, 17.057_7),
+            (6560, 15.064_3),
+            (5432, 14.987_7),
+            (7706, 14.951_7),
+        ],
     },
     FixtureCase {
         prompt: "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-        prompt_ids: &[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+        prompt_ids: &[
+            1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+        ],
         greedy_ids: &[504, 3575, 282, 4649, 314, 7042, 30, 2],
-        top5: [(504, 27.858_8), (60, 26.129_5), (38634, 26.101_5), (15319, 25.962_3), (7026, 25.181_4)],
+        top5: [
+            (504, 27.858_8),
+            (60, 26.129_5),
+            (38634, 26.101_5),
+            (15319, 25.962_3),
+            (7026, 25.181_4),
+        ],
     },
 ];
 
@@ -64,11 +83,17 @@ pub const FIXTURE: [FixtureCase; 2] = [
 pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
     idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-    idx.into_iter().take(n).map(|i| (i, logits[i as usize])).collect()
+    idx.into_iter()
+        .take(n)
+        .map(|i| (i, logits[i as usize]))
+        .collect()
 }
 
 /// The held-out evaluation text shipped with the repository.
 pub fn heldout_text() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/heldout-eval.txt"))
-        .expect("data/text/heldout-eval.txt")
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../data/text/heldout-eval.txt"
+    ))
+    .expect("data/text/heldout-eval.txt")
 }

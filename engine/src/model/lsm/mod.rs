@@ -231,7 +231,7 @@ impl LsmFile {
                 .chunk_neurons
                 .checked_mul(ffn.bundle_bytes)
                 .is_none_or(|b| b > ffn.chunk_bytes)
-            || ffn.chunk_bytes % ALIGN != 0
+            || !ffn.chunk_bytes.is_multiple_of(ALIGN)
         {
             return bad("inconsistent FFN chunk layout".into());
         }
