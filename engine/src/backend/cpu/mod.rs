@@ -1,78 +1,310 @@
-//! TEMPORARY scalar stand-in with the kernel API (replaced by the SIMD kernels on merge).
-use crate::model::QRows;
-use crate::quant::{DType, dequantize_row};
+//! CPU kernels: dot products over quantised rows, mat-vecs split over the rayon pool, and the small
+//! dense f32 helpers of the forward pass.
+//!
+//! # Dispatch
+//! Every quantised kernel exists twice: a portable scalar version (`scalar`, the fallback on every
+//! machine) and an x86_64 AVX2 version (`avx2`, used when the CPU has AVX2, FMA and F16C). The
+//! choice is made once, on first use, and cached as a table of function pointers ([`Kernels`]).
+//! Nothing is compiled with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
+//!
+//! aarch64 runs the scalar kernels for now (TODO: NEON versions of the same table; this
+//! workspace's build machine has no aarch64 toolchain to compile or test them).
+//!
+//! # Precision
+//! [`Precision::Exact`] multiplies f32 activations with dequantised weights (within ~1e-3 of an f32
+//! reference over a whole model). [`Precision::Fast`] first quantises the activations to 8-bit
+//! blocks ([`QuantizedActs`]) and takes integer dot products, as llama.cpp does; its error is
+//! around 1e-2 relative per dot product. See DESIGN.md §10 for when each is appropriate.
+//!
+//! # Allocation
+//! No kernel allocates. [`QuantizedActs`] is sized once; the mat-vecs write into caller buffers.
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod dense;
+mod matvec;
+mod scalar;
+#[cfg(test)]
+mod tests;
+
+use std::sync::OnceLock;
+
+use crate::model::QRows;
+use crate::quant::{DType, QK};
+
+pub use dense::{add_inplace, rmsnorm, silu_mul, softmax_inplace};
+
+/// Activation precision of quantised dot products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Precision {
+    /// f32 activations × dequantised weights: within ~1e-3 of an f32 reference over a model.
+    #[default]
     Exact,
+    /// Activations quantised to 8-bit blocks (scale `d`, block sum `s`, as llama.cpp's Q8_1) with
+    /// integer dot products. Applies to Q8_0/Q4_0/Q4_1 rows; float rows are always exact.
     Fast,
 }
-#[derive(Debug)]
+
+/// One block of 32 activations quantised to i8: value `j` ≈ `d * q[j]`, and `s = d * Σ q`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct Q8Block {
+    pub d: f32,
+    pub s: f32,
+    pub q: [i8; QK],
+}
+
+impl Q8Block {
+    const ZERO: Q8Block = Q8Block {
+        d: 0.0,
+        s: 0.0,
+        q: [0; QK],
+    };
+}
+
+/// Scratch for [`Precision::Fast`]: the activations quantised once per mat-vec, plus a copy of the
+/// f32 activations for float rows. Size it once with the longest activation vector it will see;
+/// [`QuantizedActs::quantize`] allocates only if given a longer one.
+#[derive(Clone, Debug)]
 pub struct QuantizedActs {
     x: Vec<f32>,
+    blocks: Vec<Q8Block>,
 }
+
 impl QuantizedActs {
+    /// Scratch for activation vectors of up to `max_len` values.
     pub fn new(max_len: usize) -> Self {
         QuantizedActs {
             x: Vec::with_capacity(max_len),
+            blocks: Vec::with_capacity(max_len.div_ceil(QK)),
         }
     }
+
+    /// Quantises `x` into 32-value blocks (a partial last block is padded with zeros), with the
+    /// best kernel of this machine. Replaces the previous contents.
     pub fn quantize(&mut self, x: &[f32]) {
+        self.quantize_with(Kernels::best(), x);
+    }
+
+    /// [`QuantizedActs::quantize`] with an explicit kernel table.
+    pub fn quantize_with(&mut self, k: &Kernels, x: &[f32]) {
         self.x.clear();
         self.x.extend_from_slice(x);
+        self.blocks.clear();
+        self.blocks.resize(x.len().div_ceil(QK), Q8Block::ZERO);
+        (k.quantize)(x, &mut self.blocks);
+    }
+
+    /// Number of activations held.
+    pub fn len(&self) -> usize {
+        self.x.len()
+    }
+
+    /// True when nothing has been quantised yet (or an empty vector was).
+    pub fn is_empty(&self) -> bool {
+        self.x.is_empty()
+    }
+
+    /// The original f32 activations.
+    pub fn values(&self) -> &[f32] {
+        &self.x
+    }
+
+    /// The quantised blocks.
+    pub fn blocks(&self) -> &[Q8Block] {
+        &self.blocks
     }
 }
+
+/// `Σ w·x` over one row of `x.len()` values; the row slice has exactly the row's bytes.
+pub(crate) type DotFn = fn(&[u8], &[f32]) -> f32;
+/// `Σ w·x` over one quantised row against quantised activations (one block per row block).
+pub(crate) type DotQ8Fn = fn(&[u8], &[Q8Block]) -> f32;
+/// `out += a * w` over one row of `out.len()` values.
+pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
+/// Quantises `x` into `out` (`out.len() == x.len().div_ceil(32)`).
+pub(crate) type QuantizeFn = fn(&[f32], &mut [Q8Block]);
+
+/// A table of kernels for one instruction set. Obtain one with [`Kernels::best`] (what the free
+/// functions of this module use) or [`Kernels::scalar`] (to compare or benchmark).
+///
+/// Invariant: a table is only ever handed out on a CPU that supports its instruction set.
+#[derive(Debug)]
+pub struct Kernels {
+    name: &'static str,
+    /// Indexed by [`dtype_index`].
+    dot: [DotFn; 6],
+    /// Indexed by [`dtype_index`] - 3 (Q8_0, Q4_0, Q4_1).
+    dot_q8: [DotQ8Fn; 3],
+    /// Indexed by [`dtype_index`].
+    axpy: [AxpyFn; 6],
+    quantize: QuantizeFn,
+}
+
+fn dtype_index(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+    }
+}
+
+/// The bytes of a row of `n` values of `dtype`, checked. Panics on a broken caller invariant.
+#[inline]
+fn row_prefix(dtype: DType, row: &[u8], n: usize) -> &[u8] {
+    let need = dtype
+        .row_bytes(n)
+        .unwrap_or_else(|| panic!("{n} values are not a whole number of {dtype} blocks"));
+    assert!(
+        row.len() >= need,
+        "{dtype} row has {} bytes, {n} values need {need}",
+        row.len()
+    );
+    &row[..need]
+}
+
+impl Kernels {
+    /// The fastest table this CPU supports, detected once and cached.
+    pub fn best() -> &'static Kernels {
+        static BEST: OnceLock<&'static Kernels> = OnceLock::new();
+        BEST.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(k) = avx2::detect() {
+                return k;
+            }
+            &scalar::KERNELS
+        })
+    }
+
+    /// The portable scalar table (always available).
+    pub fn scalar() -> &'static Kernels {
+        &scalar::KERNELS
+    }
+
+    /// Instruction set name, e.g. `"avx2+fma+f16c"` or `"scalar"`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Exact `Σ dequant(row)·x`; `x.len()` is the number of values in the row.
+    ///
+    /// Panics if `x.len()` is not a whole number of blocks or `row` is too short.
+    #[inline]
+    pub fn dot(&self, dtype: DType, row: &[u8], x: &[f32]) -> f32 {
+        (self.dot[dtype_index(dtype)])(row_prefix(dtype, row, x.len()), x)
+    }
+
+    /// Fast `Σ dequant(row)·x` against quantised activations (`x.len()` values). Float rows use
+    /// the exact product with the f32 activations kept in `x`.
+    ///
+    /// Panics if `x.len()` is not a whole number of blocks or `row` is too short.
+    #[inline]
+    pub fn dot_q8(&self, dtype: DType, row: &[u8], x: &QuantizedActs) -> f32 {
+        let i = dtype_index(dtype);
+        if i < 3 {
+            return self.dot(dtype, row, &x.x);
+        }
+        (self.dot_q8[i - 3])(row_prefix(dtype, row, x.len()), &x.blocks)
+    }
+
+    /// `out += a * dequant(row)`; `out.len()` is the number of values in the row.
+    ///
+    /// Panics if `out.len()` is not a whole number of blocks or `row` is too short.
+    #[inline]
+    pub fn axpy(&self, dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+        (self.axpy[dtype_index(dtype)])(row_prefix(dtype, row, out.len()), a, out)
+    }
+
+    /// [`matvec`] with this table.
+    pub fn matvec(
+        &self,
+        m: &QRows,
+        x: &[f32],
+        out: &mut [f32],
+        precision: Precision,
+        scratch: &mut QuantizedActs,
+    ) {
+        matvec::matvec(self, m, x, out, precision, scratch);
+    }
+
+    /// [`matvec_rows`] with this table.
+    pub fn matvec_rows(
+        &self,
+        m: &QRows,
+        rows: &[u32],
+        x: &[f32],
+        out: &mut [f32],
+        precision: Precision,
+        scratch: &mut QuantizedActs,
+    ) {
+        matvec::matvec_rows(self, m, rows, x, out, precision, scratch);
+    }
+}
+
+/// Exact dot product of a stored row with f32 activations: `Σ dequant(row)[j] * x[j]`, where
+/// `x.len()` is the number of values in the row. Accurate to ~1e-6 relative to `Σ|w·x|`.
+///
+/// Panics if `x.len()` is not a whole number of `dtype` blocks or `row` holds fewer bytes.
+#[inline]
 pub fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
-    let mut w = vec![0f32; x.len()];
-    dequantize_row(dtype, row, &mut w);
-    w.iter().zip(x).map(|(a, b)| a * b).sum()
+    Kernels::best().dot(dtype, row, x)
 }
+
+/// Fast dot product against activations quantised with [`QuantizedActs::quantize`], for
+/// Q8_0/Q4_0/Q4_1 rows (integer products, ~1e-2 relative error); F32/F16/BF16 rows fall back to
+/// [`dot`] with the original activations.
+///
+/// Panics if `x.len()` is not a whole number of `dtype` blocks or `row` holds fewer bytes.
+#[inline]
+pub fn dot_q8(dtype: DType, row: &[u8], x: &QuantizedActs) -> f32 {
+    Kernels::best().dot_q8(dtype, row, x)
+}
+
+/// `out += a * dequant(row)`, for down columns stored neuron-major. Every dtype is supported.
+///
+/// Panics if `out.len()` is not a whole number of `dtype` blocks or `row` holds fewer bytes.
+#[inline]
 pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
-    let mut w = vec![0f32; out.len()];
-    dequantize_row(dtype, row, &mut w);
-    out.iter_mut().zip(&w).for_each(|(o, w)| *o += a * w);
+    Kernels::best().axpy(dtype, row, a, out)
 }
-pub fn matvec(m: &QRows, x: &[f32], out: &mut [f32], _p: Precision, _s: &mut QuantizedActs) {
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = dot(m.dtype, m.row(i), x);
-    }
+
+/// `out[i] = dot(m.row(i), x)` for every row, split over the rayon pool in contiguous row ranges
+/// (at least [`MIN_ROWS_PER_TASK`] rows each, so small matrices stay on the calling thread).
+/// With [`Precision::Fast`] and a quantised `m`, `x` is first quantised into `scratch` (which must
+/// have room for `x.len()` values to avoid an allocation).
+///
+/// Panics unless `x.len() == m.cols` and `out.len() == m.rows`.
+pub fn matvec(
+    m: &QRows,
+    x: &[f32],
+    out: &mut [f32],
+    precision: Precision,
+    scratch: &mut QuantizedActs,
+) {
+    Kernels::best().matvec(m, x, out, precision, scratch);
 }
+
+/// Gathered mat-vec over the listed rows: `out[k] = dot(m.row(rows[k]), x)`; otherwise as
+/// [`matvec`].
+///
+/// Panics unless `x.len() == m.cols`, `out.len() == rows.len()` and every row index is `< m.rows`.
 pub fn matvec_rows(
     m: &QRows,
     rows: &[u32],
     x: &[f32],
     out: &mut [f32],
-    _p: Precision,
-    _s: &mut QuantizedActs,
+    precision: Precision,
+    scratch: &mut QuantizedActs,
 ) {
-    for (o, &r) in out.iter_mut().zip(rows) {
-        *o = dot(m.dtype, m.row(r as usize), x);
-    }
+    Kernels::best().matvec_rows(m, rows, x, out, precision, scratch);
 }
+
+pub use matvec::MIN_ROWS_PER_TASK;
+
+/// Name of the kernel set in use on this machine, e.g. `"avx2+fma+f16c"` or `"scalar"`.
 pub fn kernel_name() -> &'static str {
-    "scalar-temp"
-}
-pub fn rmsnorm(out: &mut [f32], x: &[f32], weight: &[f32], eps: f32) {
-    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let s = 1.0 / (ms + eps).sqrt();
-    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
-        *o = v * s * w;
-    }
-}
-pub fn softmax_inplace(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    x.iter_mut().for_each(|v| *v /= sum);
-}
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
-}
-pub fn add_inplace(a: &mut [f32], b: &[f32]) {
-    a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+    Kernels::best().name()
 }

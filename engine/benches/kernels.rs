@@ -1,0 +1,70 @@
+//! Mat-vec throughput of the CPU kernels, in GB/s of weights streamed (criterion's "thrpt").
+//!
+//! Shapes are SmolLM2-135M's: 576×576 (attention), 1536×576 (FFN gate/up), 49152×576 (output
+//! head). Each runs with the scalar table and the best one for this CPU, in both precisions.
+//! Run: `cargo bench -p leanstream-engine --bench kernels` (add `-- --quick` for a short pass).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use leanstream_engine::backend::cpu::{Kernels, Precision, QuantizedActs};
+use leanstream_engine::model::{QRows, TensorBytes};
+use leanstream_engine::quant::{DType, quantize_row};
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn matrix(dtype: DType, rows: usize, cols: usize) -> QRows {
+    let mut data = Vec::new();
+    quantize_row(dtype, &values(rows * cols, 7), &mut data);
+    QRows::contiguous(dtype, rows, cols, TensorBytes::from_vec(data))
+        .expect("bench matrix shape is valid")
+}
+
+fn matvec(c: &mut Criterion) {
+    let cols = 576;
+    let x = values(cols, 3);
+    let mut scratch = QuantizedActs::new(cols);
+    let tables = [Kernels::scalar(), Kernels::best()];
+    for dtype in [DType::Q4_1, DType::Q8_0] {
+        for rows in [576, 1536, 49152] {
+            let m = matrix(dtype, rows, cols);
+            let mut out = vec![0f32; rows];
+            let mut group = c.benchmark_group(format!("matvec/{dtype}/{rows}x{cols}"));
+            group.throughput(Throughput::Bytes(m.stored_bytes() as u64));
+            for k in tables {
+                for precision in [Precision::Exact, Precision::Fast] {
+                    let id = format!("{}/{precision:?}", k.name());
+                    group.bench_function(id, |b| {
+                        b.iter(|| {
+                            k.matvec(&m, black_box(&x), &mut out, precision, &mut scratch);
+                            black_box(&out);
+                        })
+                    });
+                }
+            }
+            group.finish();
+        }
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    targets = matvec
+}
+criterion_main!(benches);

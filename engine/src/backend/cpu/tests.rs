@@ -1,0 +1,509 @@
+//! Conformance of every kernel table present (scalar always, AVX2 where the CPU has it) against the
+//! scalar oracle `quant::dequantize_row` + an f64 dot product, by error normalised by `Σ|w·x|`.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::model::TensorBytes;
+use crate::quant::{dequantize_row, quantize_row};
+
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
+
+/// The tables to test: scalar, and the best one when it differs.
+fn tables() -> Vec<&'static Kernels> {
+    let mut t = vec![Kernels::scalar()];
+    if !std::ptr::eq(Kernels::best(), Kernels::scalar()) {
+        t.push(Kernels::best());
+    }
+    t
+}
+
+/// SplitMix64: small, seeded, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+}
+
+fn quantized(dtype: DType, w: &[f32]) -> Vec<u8> {
+    let mut row = Vec::new();
+    quantize_row(dtype, w, &mut row);
+    row
+}
+
+/// (Σ w·x, Σ|w·x|) in f64 over the dequantised row.
+fn oracle(dtype: DType, row: &[u8], x: &[f32]) -> (f64, f64) {
+    let mut w = vec![0f32; x.len()];
+    dequantize_row(dtype, row, &mut w);
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (w, x)| {
+        let p = f64::from(*w) * f64::from(*x);
+        (s + p, a + p.abs())
+    })
+}
+
+fn tolerance(dtype: DType, precision: Precision) -> f64 {
+    match (precision, dtype.block_len()) {
+        (Precision::Fast, 32) => 1e-2,
+        _ => 1e-5,
+    }
+}
+
+/// Asserts `got` is within `tol · Σ|w·x|` of the oracle (and exactly 0 when that is 0).
+#[track_caller]
+fn check(what: &str, got: f32, (want, scale): (f64, f64), tol: f64) {
+    let err = (f64::from(got) - want).abs();
+    assert!(
+        err <= tol * scale,
+        "{what}: got {got}, want {want}, error {err:.3e} > {tol:.0e} × Σ|w·x| = {scale:.3e}"
+    );
+}
+
+/// The worst case of 8-bit activation quantisation: each `x[j]` moves by at most half its block's
+/// step `amax / 127`, so the fast result may differ by `Σ|w[j]|·step/2` (plus float rounding). A
+/// single product that dominates a sum can make this exceed 1e-2 relative, so the extreme-value
+/// tests use this bound and the random-data tests the plain 1e-2.
+fn fast_bound(dtype: DType, row: &[u8], x: &[f32]) -> f64 {
+    let mut w = vec![0f32; x.len()];
+    dequantize_row(dtype, row, &mut w);
+    let (_, scale) = oracle(dtype, row, x);
+    let mut bound = 1e-5 * scale;
+    for (wb, xb) in w.chunks(QK).zip(x.chunks(QK)) {
+        let step = f64::from(xb.iter().fold(0f32, |a, v| a.max(v.abs()))) / 127.0;
+        bound += wb.iter().map(|w| f64::from(w.abs())).sum::<f64>() * step * 0.5 * 1.001;
+    }
+    bound
+}
+
+fn check_dot(
+    k: &Kernels,
+    dtype: DType,
+    row: &[u8],
+    x: &[f32],
+    acts: &mut QuantizedActs,
+    what: &str,
+    extreme: bool,
+) {
+    let want = oracle(dtype, row, x);
+    let name = k.name();
+    check(
+        &format!("{name} dot {dtype} {what}"),
+        k.dot(dtype, row, x),
+        want,
+        tolerance(dtype, Precision::Exact),
+    );
+    acts.quantize_with(k, x);
+    let got = k.dot_q8(dtype, row, acts);
+    let what = format!("{name} dot_q8 {dtype} {what}");
+    if extreme && dtype.block_len() == QK {
+        let err = (f64::from(got) - want.0).abs();
+        let bound = fast_bound(dtype, row, x);
+        assert!(
+            err <= bound,
+            "{what}: got {got}, want {}, error {err:.3e} > {bound:.3e}",
+            want.0
+        );
+    } else {
+        check(&what, got, want, tolerance(dtype, Precision::Fast));
+    }
+}
+
+#[test]
+fn dot_matches_oracle_for_every_length() {
+    let mut rng = Rng(1);
+    let mut acts = QuantizedActs::new(4096);
+    for k in tables() {
+        for dtype in DTYPES {
+            for n in (32..=4096).step_by(32) {
+                let row = quantized(dtype, &rng.vec(n, 0.5));
+                let x = rng.vec(n, 2.0);
+                check_dot(k, dtype, &row, &x, &mut acts, &format!("n={n}"), false);
+            }
+        }
+    }
+}
+
+#[test]
+fn float_rows_of_odd_length() {
+    let mut rng = Rng(2);
+    for k in tables() {
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            for n in [1, 7, 8, 9, 15, 16, 17, 33, 100] {
+                let row = quantized(dtype, &rng.vec(n, 1.0));
+                let x = rng.vec(n, 1.0);
+                let want = oracle(dtype, &row, &x);
+                check(
+                    &format!("{} {dtype} n={n}", k.name()),
+                    k.dot(dtype, &row, &x),
+                    want,
+                    1e-5,
+                );
+                let mut out = rng.vec(n, 1.0);
+                let mut expect = out.clone();
+                axpy_oracle(dtype, &row, -0.75, &mut expect);
+                k.axpy(dtype, &row, -0.75, &mut out);
+                assert_close(&out, &expect, &format!("{} axpy {dtype} n={n}", k.name()));
+            }
+        }
+    }
+}
+
+#[test]
+fn dot_handles_extreme_values() {
+    let mut rng = Rng(3);
+    let mut acts = QuantizedActs::new(1024);
+    let n = 1024;
+    let outlier = |rng: &mut Rng| {
+        let mut v = rng.vec(n, 1e-3);
+        v[37] = 1e3;
+        v[500] = -2e3;
+        v
+    };
+    for k in tables() {
+        for dtype in DTYPES {
+            let weights: [(&str, Vec<f32>); 4] = [
+                ("zero w", vec![0.0; n]),
+                ("large w", rng.vec(n, 3e4)),
+                ("tiny w", rng.vec(n, 1e-3)),
+                ("outlier w", outlier(&mut rng)),
+            ];
+            let acts_cases: [(&str, Vec<f32>); 4] = [
+                ("zero x", vec![0.0; n]),
+                ("large x", rng.vec(n, 1e4)),
+                ("tiny x", rng.vec(n, 1e-6)),
+                ("outlier x", outlier(&mut rng)),
+            ];
+            for (wn, w) in &weights {
+                let row = quantized(dtype, w);
+                for (xn, x) in &acts_cases {
+                    check_dot(k, dtype, &row, x, &mut acts, &format!("{wn}, {xn}"), true);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_path_is_integer_exact_on_quantised_activations() {
+    // With activations that are already 8-bit (x = d·q), the fast path has no quantisation error
+    // left, so it must agree with the oracle as tightly as the exact one.
+    let mut rng = Rng(4);
+    let mut acts = QuantizedActs::new(576);
+    for k in tables() {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let row = quantized(dtype, &rng.vec(576, 1.0));
+            let x: Vec<f32> = (0..576)
+                .map(|j| {
+                    if j % 32 == 0 {
+                        127.0
+                    } else {
+                        ((rng.next() % 255) as f32) - 127.0
+                    }
+                })
+                .collect();
+            acts.quantize_with(k, &x);
+            let want = oracle(dtype, &row, &x);
+            check(
+                &format!("{} {dtype}", k.name()),
+                k.dot_q8(dtype, &row, &acts),
+                want,
+                1e-5,
+            );
+        }
+    }
+}
+
+fn axpy_oracle(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    let mut w = vec![0f32; out.len()];
+    dequantize_row(dtype, row, &mut w);
+    for (o, w) in out.iter_mut().zip(&w) {
+        *o = (f64::from(*o) + f64::from(a) * f64::from(*w)) as f32;
+    }
+}
+
+#[track_caller]
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    for (j, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "{what}: [{j}] got {g}, want {w}"
+        );
+    }
+}
+
+#[test]
+fn axpy_matches_oracle() {
+    let mut rng = Rng(5);
+    for k in tables() {
+        for dtype in DTYPES {
+            for n in (32..=4096).step_by(32 * 7) {
+                let row = quantized(dtype, &rng.vec(n, 1.0));
+                let a = rng.unit() * 3.0;
+                let mut out = rng.vec(n, 2.0);
+                let mut want = out.clone();
+                axpy_oracle(dtype, &row, a, &mut want);
+                k.axpy(dtype, &row, a, &mut out);
+                assert_close(&out, &want, &format!("{} axpy {dtype} n={n}", k.name()));
+            }
+        }
+    }
+}
+
+/// A matrix of random rows of `dtype`; with `strided`, rows sit in groups of 5 with padding
+/// between rows and between groups, as in the `.lsm` bundles.
+fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize, strided: bool) -> QRows {
+    let rb = dtype.row_bytes(cols).expect("whole blocks");
+    if !strided {
+        let mut data = Vec::new();
+        for _ in 0..rows {
+            quantize_row(dtype, &rng.vec(cols, 1.0), &mut data);
+        }
+        return QRows::contiguous(dtype, rows, cols, TensorBytes::from_vec(data)).expect("shape");
+    }
+    let (group_rows, row_stride, first) = (5, rb + 8, 3);
+    let group_stride = group_rows * row_stride + 40;
+    let mut data = vec![0xAAu8; first + rows.div_ceil(group_rows) * group_stride];
+    for i in 0..rows {
+        let at = first + (i / group_rows) * group_stride + (i % group_rows) * row_stride;
+        let mut row = Vec::new();
+        quantize_row(dtype, &rng.vec(cols, 1.0), &mut row);
+        data[at..at + rb].copy_from_slice(&row);
+    }
+    let bytes = TensorBytes::from_vec(data);
+    QRows::strided(
+        dtype,
+        rows,
+        cols,
+        bytes,
+        first,
+        row_stride,
+        group_rows,
+        group_stride,
+    )
+    .expect("layout")
+}
+
+#[test]
+fn matvec_and_matvec_rows_match_oracle() {
+    let mut rng = Rng(6);
+    let mut scratch = QuantizedActs::new(576);
+    for k in tables() {
+        for dtype in DTYPES {
+            for (rows, cols, strided) in [
+                (1, 32, false),
+                (3, 64, true),
+                (63, 96, false),
+                (65, 576, true),
+                (129, 128, false),
+                (1001, 576, false),
+                (777, 160, true),
+            ] {
+                let m = matrix(&mut rng, dtype, rows, cols, strided);
+                let x = rng.vec(cols, 1.0);
+                let wants: Vec<_> = (0..rows).map(|i| oracle(dtype, m.row(i), &x)).collect();
+                let picked: Vec<u32> = (0..rows as u32 * 2 / 3)
+                    .map(|_| (rng.next() % rows as u64) as u32)
+                    .collect();
+                for precision in [Precision::Exact, Precision::Fast] {
+                    let tol = tolerance(dtype, precision);
+                    let what = format!("{} {dtype} {rows}x{cols} {precision:?}", k.name());
+                    let mut out = vec![f32::NAN; rows];
+                    k.matvec(&m, &x, &mut out, precision, &mut scratch);
+                    for (i, got) in out.iter().enumerate() {
+                        check(&format!("{what} row {i}"), *got, wants[i], tol);
+                    }
+                    let mut out = vec![f32::NAN; picked.len()];
+                    k.matvec_rows(&m, &picked, &x, &mut out, precision, &mut scratch);
+                    for (got, &r) in out.iter().zip(&picked) {
+                        check(
+                            &format!("{what} gathered row {r}"),
+                            *got,
+                            wants[r as usize],
+                            tol,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn free_functions_use_the_best_table() {
+    let mut rng = Rng(7);
+    let m = matrix(&mut rng, DType::Q4_1, 200, 576, false);
+    let x = rng.vec(576, 1.0);
+    let mut scratch = QuantizedActs::new(576);
+    for precision in [Precision::Exact, Precision::Fast] {
+        let mut a = vec![0f32; 200];
+        let mut b = vec![0f32; 200];
+        matvec(&m, &x, &mut a, precision, &mut scratch);
+        Kernels::best().matvec(&m, &x, &mut b, precision, &mut scratch);
+        assert_eq!(a, b, "{precision:?}");
+    }
+    assert_eq!(kernel_name(), Kernels::best().name());
+    #[cfg(target_arch = "x86_64")]
+    {
+        let simd = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        assert_eq!(kernel_name() != "scalar", simd, "{}", kernel_name());
+    }
+}
+
+#[test]
+fn quantize_is_the_same_in_every_table_and_does_not_reallocate() {
+    let mut rng = Rng(8);
+    let mut a = QuantizedActs::new(1536);
+    let mut b = QuantizedActs::new(1536);
+    let (xp, bp) = (a.x.as_ptr(), a.blocks.as_ptr());
+    for n in [0, 5, 32, 45, 576, 1536] {
+        let mut x = rng.vec(n, 3.0);
+        if n > 40 {
+            x[33..40].fill(0.0); // a partly zero block
+        }
+        a.quantize_with(Kernels::scalar(), &x);
+        b.quantize_with(Kernels::best(), &x);
+        assert_eq!(a.blocks(), b.blocks(), "n={n}");
+        assert_eq!(a.len(), n);
+        assert_eq!(a.values(), &x[..]);
+        for (blk, xb) in a.blocks().iter().zip(x.chunks(QK)) {
+            let sum: i32 = blk.q.iter().map(|&q| i32::from(q)).sum();
+            assert_eq!(blk.s, blk.d * sum as f32);
+            for (q, v) in blk.q.iter().zip(xb) {
+                assert!((f32::from(*q) * blk.d - v).abs() <= blk.d * 0.5 + 1e-6);
+            }
+        }
+    }
+    assert_eq!(
+        (xp, bp),
+        (a.x.as_ptr(), a.blocks.as_ptr()),
+        "scratch reallocated"
+    );
+}
+
+#[test]
+#[should_panic(expected = "values need")]
+fn short_row_is_rejected() {
+    let row = quantized(DType::Q8_0, &[0.5; 32]);
+    let _ = dot(DType::Q8_0, &row, &[1.0; 64]);
+}
+
+fn dtype_strategy() -> impl Strategy<Value = DType> {
+    prop::sample::select(DTYPES.to_vec())
+}
+
+proptest! {
+    /// Random block contents: any quant bytes, finite scales over many magnitudes.
+    #[test]
+    fn dot_matches_oracle_on_random_blocks(
+        dtype in dtype_strategy(),
+        blocks in 1usize..12,
+        seed in any::<u64>(),
+        scale_exp in -12i32..12,
+    ) {
+        let mut rng = Rng(seed);
+        let n = blocks * QK;
+        let scale = 2f32.powi(scale_exp);
+        let row: Vec<u8> = if dtype.block_len() == 1 {
+            quantized(dtype, &rng.vec(n, scale))
+        } else {
+            let mut row: Vec<u8> = (0..dtype.row_bytes(n).unwrap_or(0))
+                .map(|_| rng.next() as u8)
+                .collect();
+            for b in row.chunks_exact_mut(dtype.block_bytes()) {
+                let scales = if dtype == DType::Q4_1 { 2 } else { 1 };
+                for s in 0..scales {
+                    let v = half::f16::from_f32(rng.unit() * scale).to_le_bytes();
+                    b[2 * s..2 * s + 2].copy_from_slice(&v);
+                }
+            }
+            row
+        };
+        let x = rng.vec(n, 1.0);
+        let mut acts = QuantizedActs::new(n);
+        for k in tables() {
+            let want = oracle(dtype, &row, &x);
+            let got = k.dot(dtype, &row, &x);
+            let err = (f64::from(got) - want.0).abs();
+            prop_assert!(err <= 1e-5 * want.1, "{} {dtype}: {got} vs {}", k.name(), want.0);
+            acts.quantize_with(k, &x);
+            let got = k.dot_q8(dtype, &row, &acts);
+            let err = (f64::from(got) - want.0).abs();
+            prop_assert!(
+                err <= tolerance(dtype, Precision::Fast) * want.1,
+                "{} fast {dtype}: {got} vs {}", k.name(), want.0
+            );
+        }
+    }
+}
+
+#[test]
+fn dense_helpers_match_f64() {
+    let mut rng = Rng(9);
+    for n in [1, 7, 8, 576, 1001] {
+        let x = rng.vec(n, 3.0);
+        let w = rng.vec(n, 1.0);
+        let mut out = vec![0f32; n];
+        rmsnorm(&mut out, &x, &w, 1e-5);
+        let ms = x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n as f64;
+        let scale = 1.0 / (ms + 1e-5).sqrt();
+        for j in 0..n {
+            let want = f64::from(x[j]) * scale * f64::from(w[j]);
+            assert!(
+                (f64::from(out[j]) - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "rmsnorm"
+            );
+        }
+
+        let mut s = x.clone();
+        softmax_inplace(&mut s);
+        let max = x.iter().fold(f64::MIN, |m, v| m.max(f64::from(*v)));
+        let z: f64 = x.iter().map(|v| (f64::from(*v) - max).exp()).sum();
+        for j in 0..n {
+            let want = (f64::from(x[j]) - max).exp() / z;
+            assert!((f64::from(s[j]) - want).abs() <= 1e-6, "softmax");
+        }
+
+        let mut g = x.clone();
+        silu_mul(&mut g, &w);
+        for j in 0..n {
+            let gj = f64::from(x[j]);
+            let want = gj / (1.0 + (-gj).exp()) * f64::from(w[j]);
+            assert!(
+                (f64::from(g[j]) - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "silu"
+            );
+        }
+
+        let mut a = x.clone();
+        add_inplace(&mut a, &w);
+        for j in 0..n {
+            assert_eq!(a[j], x[j] + w[j], "add");
+        }
+    }
+    let mut big = [1000.0f32, 0.0, -1000.0];
+    softmax_inplace(&mut big);
+    assert_eq!(big, [1.0, 0.0, 0.0]);
+}
