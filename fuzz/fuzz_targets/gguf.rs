@@ -25,8 +25,17 @@ fuzz_target!(|data: &[u8]| {
     let mut sink = 0usize;
     for (k, v) in file.metadata() {
         sink += k.len() + walk(v);
-        let _ = (file.get_uint(k), file.get_float(k), file.get_str(k), file.get_bool(k));
-        let _ = (file.get_str_array(k), file.get_i32_array(k), file.get_f32_array(k));
+        let _ = (
+            file.get_uint(k),
+            file.get_float(k),
+            file.get_str(k),
+            file.get_bool(k),
+        );
+        let _ = (
+            file.get_str_array(k),
+            file.get_i32_array(k),
+            file.get_f32_array(k),
+        );
     }
     for t in file.tensors() {
         if let Ok(r) = file.tensor_ref(t) {

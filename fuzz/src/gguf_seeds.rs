@@ -24,11 +24,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .add("u64", Value::U64(4))
         .add("i64", Value::I64(-4))
         .add("f64", Value::F64(0.25))
-        .add("strings", Value::Array(Array::String(vec!["a".into(), "bc".into()])))
-        .add("nested", Value::Array(Array::Array(vec![Array::I32(vec![1, 2]), Array::Bool(vec![true])])))
+        .add(
+            "strings",
+            Value::Array(Array::String(vec!["a".into(), "bc".into()])),
+        )
+        .add(
+            "nested",
+            Value::Array(Array::Array(vec![
+                Array::I32(vec![1, 2]),
+                Array::Bool(vec![true]),
+            ])),
+        )
         .add("general.alignment", Value::U32(16));
     let row: Vec<f32> = (0..32).map(|i| i as f32 / 8.0 - 2.0).collect();
-    for dtype in [DType::F32, DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
         all.add_f32_tensor(&format!("t.{dtype}"), dtype, &[1, 32], &row);
     }
     std::fs::write(dir.join("all_types_v3.gguf"), all.to_bytes())?;
@@ -42,8 +58,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         meta.remove_tensor(name);
     }
     std::fs::write(dir.join("tiny_llama_metadata.gguf"), meta.to_bytes())?;
-    std::fs::write(dir.join("tiny_llama_q4_1.gguf"), tiny.gguf_writer(DType::Q4_1).to_bytes())?;
+    std::fs::write(
+        dir.join("tiny_llama_q4_1.gguf"),
+        tiny.gguf_writer(DType::Q4_1).to_bytes(),
+    )?;
     let qwen = TinyLlama::with_arch(2, TinyArch::Qwen2).with_tied_embeddings();
-    std::fs::write(dir.join("tiny_qwen2_q8_0.gguf"), qwen.gguf_writer(DType::Q8_0).to_bytes())?;
+    std::fs::write(
+        dir.join("tiny_qwen2_q8_0.gguf"),
+        qwen.gguf_writer(DType::Q8_0).to_bytes(),
+    )?;
     Ok(())
 }

@@ -110,7 +110,7 @@ impl<'a> Reader<'a> {
         let n = self.len(&format!("{what} length"))?;
         if n > self.remaining() {
             return Err(format!(
-                "{what} at byte {} claims {n} bytes but only {} remain",
+                "truncated or corrupt: {what} at byte {} claims {n} bytes but only {} remain",
                 self.pos,
                 self.remaining()
             ));
@@ -128,7 +128,7 @@ impl<'a> Reader<'a> {
             Ok(())
         } else {
             Err(format!(
-                "{what} count {count} cannot fit in the {} bytes that remain",
+                "truncated or corrupt: {what} count {count} cannot fit in the {} bytes that remain",
                 self.remaining()
             ))
         }
