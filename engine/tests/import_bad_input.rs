@@ -1,6 +1,8 @@
 //! Truncated, corrupted, foreign and unsupported model files fail with an error that names the
 //! file and the specific problem, and never panic.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::Error;

@@ -3,6 +3,8 @@
 //! The file comes from `scripts/fetch-model` (CI always runs it); `LEANSTREAM_TEST_MODEL`
 //! overrides the default `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use std::path::PathBuf;
 
 use leanstream_engine::model::gguf::writer::TinyLlama;

@@ -1,5 +1,7 @@
 //! The tiny seeded models import the same way from GGUF and from a safetensors directory.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
 use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::model::gguf::{GgufModel, permute_qk};
 use leanstream_engine::model::{RopeStyle, TensorRef, Weights, safetensors};

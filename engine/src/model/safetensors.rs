@@ -388,7 +388,8 @@ pub fn write_tiny_dir(dir: &Path, tiny: &TinyLlama, dtype: DType) -> Result<()> 
         DType::Bf16 => Dtype::BF16,
         _ => Dtype::F32,
     };
-    let mut shards: [Vec<(String, Vec<usize>, Vec<u8>)>; 2] = Default::default();
+    type Shard = Vec<(String, Vec<usize>, Vec<u8>)>; // (HF name, shape, bytes)
+    let mut shards: [Shard; 2] = Default::default();
     for (name, (shape, values)) in &tiny.tensors {
         let hf = hf_name(name).unwrap_or_else(|| panic!("tiny tensor {name} has no HF name"));
         let mut bytes = Vec::new();
@@ -412,6 +413,7 @@ pub fn write_tiny_dir(dir: &Path, tiny: &TinyLlama, dtype: DType) -> Result<()> 
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
     use super::*;
 

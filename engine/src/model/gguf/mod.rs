@@ -255,6 +255,7 @@ fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
     use super::writer::{GgufWriter, TinyArch, TinyLlama};
     use super::*;

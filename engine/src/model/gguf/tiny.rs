@@ -308,6 +308,7 @@ pub fn tiny_llama(path: &Path, seed: u64, dtype: DType) -> Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
     use super::*;
 

@@ -251,6 +251,7 @@ pub fn ggml_type_name(id: u32) -> &'static str {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
     use super::*;
 

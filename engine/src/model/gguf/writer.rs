@@ -276,6 +276,7 @@ fn put_array(out: &mut Vec<u8>, a: &Array) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
     use super::*;
     use crate::model::TensorBytes;
