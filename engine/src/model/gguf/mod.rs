@@ -225,7 +225,11 @@ fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {
     let id = |k: &str| -> Result<Option<u32>> {
         match f.get_uint(k)? {
             None => Ok(None),
-            Some(v) if (v as usize) < tokens.len() => Ok(Some(v as u32)),
+            Some(v) if usize::try_from(v).is_ok_and(|i| i < tokens.len()) => {
+                u32::try_from(v).map(Some).map_err(|_| {
+                    Error::invalid_file(f.path(), format!("metadata `{k}` = {v} is too large"))
+                })
+            }
             Some(v) => Err(Error::invalid_file(
                 f.path(),
                 format!(

@@ -107,7 +107,7 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&mut self, what: &str) -> Result<String, String> {
-        let n = self.len(&format!("{what} length"))?;
+        let n = self.len("string length")?;
         if n > self.remaining() {
             return Err(format!(
                 "truncated or corrupt: {what} at byte {} claims {n} bytes but only {} remain",
@@ -207,7 +207,10 @@ impl<'a> Reader<'a> {
             type_id::BOOL => Array::Bool((0..n).map(|_| self.bool()).collect::<Result<_, _>>()?),
             type_id::STRING => Array::String(
                 (0..n)
-                    .map(|i| self.string(&format!("array element {i}")))
+                    .map(|i| {
+                        self.string("string")
+                            .map_err(|e| format!("array element {i}: {e}"))
+                    })
                     .collect::<Result<_, _>>()?,
             ),
             _ => Array::Array(
