@@ -1,0 +1,338 @@
+//! GGUF import: the parser ([`GgufFile`]), the mapping of llama-family metadata to
+//! [`ModelConfig`] ([`GgufModel`]), and a small writer for tests ([`writer`]).
+//!
+//! Supported: GGUF v2 and v3; architectures `llama`, `mistral` (adjacent-pair RoPE: llama.cpp's
+//! converter permuted Q/K) and `qwen2` (half-split RoPE, Q/K/V biases); tensor types f32, f16,
+//! bf16, q8_0, q4_0, q4_1.
+
+mod reader;
+mod tiny;
+mod value;
+pub mod writer;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use reader::{DEFAULT_ALIGNMENT, GgufFile, GgufTensorInfo, MAGIC, MAX_DIMS};
+pub use tiny::permute_qk;
+pub use value::{Array, Value, dtype_from_ggml, ggml_type_name, ggml_type_of};
+
+use super::{Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, TensorRef};
+use crate::tokenizer::{GgufVocab, Tokenizer};
+use crate::{Error, Result};
+
+/// Architectures (`general.architecture`) this importer maps.
+pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2";
+
+/// Everything a GGUF file yields except the built tokenizer: config, tensors under their GGUF
+/// (canonical) names, the raw vocabulary and the chat template.
+#[derive(Debug)]
+pub struct GgufModel {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    pub tensors: BTreeMap<String, TensorRef>,
+    pub vocab: GgufVocab,
+    pub chat_template: Option<String>,
+}
+
+/// Imports a GGUF file: parse, map the config, collect tensors, build the tokenizer.
+pub fn import(path: &Path) -> Result<ImportedModel> {
+    GgufModel::read(path)?.into_imported()
+}
+
+impl GgufModel {
+    /// Opens and maps `path` (no tokenizer is built).
+    pub fn read(path: &Path) -> Result<GgufModel> {
+        GgufModel::from_file(&GgufFile::open(path)?)
+    }
+
+    /// Maps a parsed file.
+    pub fn from_file(f: &GgufFile) -> Result<GgufModel> {
+        let vocab = read_vocab(f)?;
+        let tensors = f
+            .tensors()
+            .iter()
+            .map(|t| Ok((t.name.clone(), f.tensor_ref(t)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let config = read_config(f, &vocab, &tensors)?;
+        Ok(GgufModel {
+            path: f.path().to_path_buf(),
+            config,
+            tensors,
+            vocab,
+            chat_template: f.get_str("tokenizer.chat_template")?.map(str::to_string),
+        })
+    }
+
+    /// Builds the tokenizer from the vocabulary and returns the full model.
+    pub fn into_imported(self) -> Result<ImportedModel> {
+        let tokenizer = Tokenizer::from_gguf(&self.vocab).map_err(|e| match e {
+            Error::Tokenizer(reason) => {
+                Error::invalid_file(&self.path, format!("tokenizer.ggml.*: {reason}"))
+            }
+            other => other,
+        })?;
+        Ok(self.with_tokenizer(tokenizer))
+    }
+
+    /// The full model with a tokenizer supplied by the caller (tests, or a tokenizer.json that
+    /// overrides the GGUF one).
+    pub fn with_tokenizer(self, tokenizer: Tokenizer) -> ImportedModel {
+        ImportedModel {
+            path: self.path,
+            config: self.config,
+            tensors: self.tensors,
+            tokenizer,
+            chat_template: self.chat_template,
+        }
+    }
+}
+
+fn to_usize(f: &GgufFile, key: &str, v: u64) -> Result<usize> {
+    usize::try_from(v)
+        .map_err(|_| Error::invalid_file(f.path(), format!("metadata `{key}` = {v} is too large")))
+}
+
+fn read_config(
+    f: &GgufFile,
+    vocab: &GgufVocab,
+    tensors: &BTreeMap<String, TensorRef>,
+) -> Result<ModelConfig> {
+    let arch = f.require_str("general.architecture")?;
+    let rope_style = match arch {
+        "llama" | "mistral" => RopeStyle::AdjacentPairs,
+        "qwen2" => RopeStyle::HalfSplit,
+        other => {
+            return Err(Error::unsupported(
+                f.path(),
+                format!(
+                    "architecture `{other}` is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+                ),
+            ));
+        }
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let req = |k: &str| {
+        let k = key(k);
+        to_usize(f, &k, f.require_uint(&k)?)
+    };
+    let opt = |k: &str| -> Result<Option<usize>> {
+        let k = key(k);
+        f.get_uint(&k)?.map(|v| to_usize(f, &k, v)).transpose()
+    };
+    let n_heads = req("attention.head_count")?;
+    let d_model = req("embedding_length")?;
+    let head_dim = match opt("attention.key_length")? {
+        Some(h) => h,
+        None if n_heads > 0 => d_model / n_heads,
+        None => 0,
+    };
+    if let Some(v) = opt("attention.value_length")?
+        && v != head_dim
+    {
+        return Err(Error::unsupported(
+            f.path(),
+            format!("value head width {v} differs from key head width {head_dim}"),
+        ));
+    }
+    if let Some(r) = opt("rope.dimension_count")?
+        && r != head_dim
+    {
+        return Err(Error::unsupported(
+            f.path(),
+            format!("partial RoPE ({r} of {head_dim} dimensions per head) is not supported"),
+        ));
+    }
+    let scaling = f.get_str(&key("rope.scaling.type"))?;
+    if scaling.is_some_and(|s| s != "none") || tensors.contains_key("rope_freqs.weight") {
+        return Err(Error::unsupported(
+            f.path(),
+            format!(
+                "RoPE scaling ({}) is not supported",
+                scaling.map_or("rope_freqs.weight".to_string(), |s| format!(
+                    "{}={s}",
+                    key("rope.scaling.type")
+                ))
+            ),
+        ));
+    }
+    let float = |k: &str, default: Option<f32>| -> Result<f32> {
+        let k = key(k);
+        match (f.get_float(&k)?, default) {
+            (Some(v), _) => Ok(v as f32),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(Error::invalid_file(
+                f.path(),
+                format!("metadata key `{k}` is missing"),
+            )),
+        }
+    };
+    let config = ModelConfig {
+        architecture: Architecture::Llama,
+        n_layers: req("block_count")?,
+        d_model,
+        n_ff: req("feed_forward_length")?,
+        n_heads,
+        n_kv_heads: opt("attention.head_count_kv")?.unwrap_or(n_heads),
+        head_dim,
+        vocab_size: opt("vocab_size")?.unwrap_or(vocab.tokens.len()),
+        context_length: req("context_length")?,
+        rope_base: float("rope.freq_base", Some(10000.0))?,
+        rope_style,
+        rms_eps: float("attention.layer_norm_rms_epsilon", None)?,
+        activation: FfnActivation::Silu,
+        tied_embeddings: !tensors.contains_key("output.weight"),
+    };
+    config
+        .validate()
+        .map_err(|reason| Error::invalid_file(f.path(), reason))?;
+    if !vocab.tokens.is_empty() && vocab.tokens.len() != config.vocab_size {
+        return Err(Error::invalid_file(
+            f.path(),
+            format!(
+                "tokenizer.ggml.tokens has {} entries but the vocabulary size is {}",
+                vocab.tokens.len(),
+                config.vocab_size
+            ),
+        ));
+    }
+    Ok(config)
+}
+
+fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {
+    let model = f
+        .get_str("tokenizer.ggml.model")?
+        .unwrap_or_default()
+        .to_string();
+    let tokens = f
+        .get_str_array("tokenizer.ggml.tokens")?
+        .unwrap_or_default()
+        .to_vec();
+    let token_types = f
+        .get_i32_array("tokenizer.ggml.token_type")?
+        .unwrap_or_default()
+        .to_vec();
+    if !token_types.is_empty() && token_types.len() != tokens.len() {
+        return Err(Error::invalid_file(
+            f.path(),
+            format!(
+                "tokenizer.ggml.token_type has {} entries but tokenizer.ggml.tokens has {}",
+                token_types.len(),
+                tokens.len()
+            ),
+        ));
+    }
+    let id = |k: &str| -> Result<Option<u32>> {
+        match f.get_uint(k)? {
+            None => Ok(None),
+            Some(v) if usize::try_from(v).is_ok_and(|i| i < tokens.len()) => {
+                u32::try_from(v).map(Some).map_err(|_| {
+                    Error::invalid_file(f.path(), format!("metadata `{k}` = {v} is too large"))
+                })
+            }
+            Some(v) => Err(Error::invalid_file(
+                f.path(),
+                format!(
+                    "metadata `{k}` = {v} is outside the {}-token vocabulary",
+                    tokens.len()
+                ),
+            )),
+        }
+    };
+    Ok(GgufVocab {
+        pre: f.get_str("tokenizer.ggml.pre")?.map(str::to_string),
+        merges: f
+            .get_str_array("tokenizer.ggml.merges")?
+            .unwrap_or_default()
+            .to_vec(),
+        bos: id("tokenizer.ggml.bos_token_id")?,
+        eos: id("tokenizer.ggml.eos_token_id")?,
+        unk: id("tokenizer.ggml.unknown_token_id")?,
+        // llama.cpp's default: SentencePiece (`llama`) vocabularies add BOS, BPE ones do not.
+        add_bos: f
+            .get_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(model == "llama"),
+        model,
+        tokens,
+        token_types,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests fail loudly on purpose
+mod tests {
+    use super::writer::{GgufWriter, TinyArch, TinyLlama};
+    use super::*;
+    use crate::model::{TensorBytes, Weights};
+    use crate::quant::DType;
+
+    fn parse(w: &GgufWriter) -> Result<GgufModel> {
+        GgufModel::from_file(&GgufFile::parse(
+            Path::new("tiny.gguf"),
+            TensorBytes::from_vec(w.to_bytes()),
+        )?)
+    }
+
+    fn with_test_tokenizer(m: GgufModel, tiny: &TinyLlama) -> ImportedModel {
+        let tok = Tokenizer::from_json(&tiny.tokenizer_json(), Default::default()).unwrap();
+        m.with_tokenizer(tok)
+    }
+
+    #[test]
+    fn tiny_llama_maps_to_its_config_and_weights_build() {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            let tiny = TinyLlama::new(7);
+            let m = parse(&tiny.gguf_writer(dtype)).unwrap();
+            assert_eq!(m.config, tiny.config, "{dtype}");
+            assert_eq!(m.tensors["blk.1.ffn_down.weight"].dtype, dtype);
+            assert_eq!(m.tensors["blk.1.ffn_down.weight"].shape, [64, 128]);
+            assert_eq!(m.tensors["blk.1.ffn_norm.weight"].dtype, DType::F32);
+            assert_eq!(m.vocab.tokens.len(), 128);
+            assert_eq!(
+                (m.vocab.bos, m.vocab.eos, m.vocab.add_bos),
+                (Some(1), Some(2), false)
+            );
+            assert_eq!(m.vocab.pre.as_deref(), Some("smollm"));
+            assert_eq!(
+                m.chat_template.as_deref(),
+                Some(tiny.chat_template.as_str())
+            );
+            Weights::from_imported(&with_test_tokenizer(m, &tiny)).unwrap();
+        }
+    }
+
+    #[test]
+    fn qwen2_uses_half_split_rope_and_keeps_biases() {
+        let tiny = TinyLlama::with_arch(3, TinyArch::Qwen2).with_tied_embeddings();
+        let m = parse(&tiny.gguf_writer(DType::Q8_0)).unwrap();
+        assert_eq!(m.config, tiny.config);
+        assert_eq!(m.config.rope_style, RopeStyle::HalfSplit);
+        assert!(m.config.tied_embeddings);
+        let w = Weights::from_imported(&with_test_tokenizer(m, &tiny)).unwrap();
+        assert!(w.layers[0].bq.is_some());
+    }
+
+    #[test]
+    fn head_dim_and_vocab_fall_back_to_derived_values() {
+        let tiny = TinyLlama::new(1);
+        let mut w = tiny.gguf_writer(DType::F32);
+        w.remove("llama.vocab_size")
+            .remove("llama.rope.dimension_count");
+        let m = parse(&w).unwrap();
+        assert_eq!((m.config.head_dim, m.config.vocab_size), (16, 128));
+        // Keys are read under the architecture's own prefix.
+        w.add("general.architecture", Value::String("mistral".into()));
+        let e = parse(&w).unwrap_err().to_string();
+        assert!(
+            e.contains("`mistral.attention.head_count` is missing"),
+            "{e}"
+        );
+    }
+}
