@@ -252,6 +252,11 @@ fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {
         add_bos: f
             .get_bool("tokenizer.ggml.add_bos_token")?
             .unwrap_or(model == "llama"),
+        scores: f
+            .get_f32_array("tokenizer.ggml.scores")?
+            .unwrap_or_default()
+            .to_vec(),
+        add_space_prefix: f.get_bool("tokenizer.ggml.add_space_prefix")?,
         model,
         tokens,
         token_types,
