@@ -36,6 +36,12 @@ impl Model {
     }
 }
 
+/// The FFN down projection always runs with f32 activations. Its input (the gated activation) is
+/// heavy-tailed, and 8-bit blocks lose too much there: on SmolLM2 and the held-out text, quantising
+/// every projection raised perplexity by 0.72 % over the exact path, keeping this one exact by
+/// 0.13 %, for ~7 % of the fast path's decode speed.
+const DOWN_PRECISION: Precision = Precision::Exact;
+
 /// Per-session scratch, sized once.
 #[derive(Debug)]
 struct Scratch {
@@ -236,7 +242,7 @@ impl Session {
                 .for_each(|(g, u)| *g = g.max(0.0) * u),
         }
         match &layer.ffn.down {
-            Down::Rows(m) => cpu::matvec(m, &s.gate, &mut s.proj, p, &mut s.acts),
+            Down::Rows(m) => cpu::matvec(m, &s.gate, &mut s.proj, DOWN_PRECISION, &mut s.acts),
             Down::Neurons(m) => {
                 // Sum of act_i * column_i, split over neurons; each task owns one partial sum.
                 let d = c.d_model;

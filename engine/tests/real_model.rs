@@ -88,31 +88,34 @@ fn fast_precision_stays_close_to_exact() {
         let mut exact = Session::new(model.clone(), 32, Precision::Exact).expect("session");
         let mut fast = Session::new(model.clone(), 32, Precision::Fast).expect("session");
         for &t in case.prompt_ids {
-            let a = exact.forward(t).expect("forward").to_vec();
-            let b = fast.forward(t).expect("forward");
-            let max_diff = a
-                .iter()
-                .zip(b.iter())
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            assert!(max_diff < 0.5, "fast vs exact: max |logit diff| {max_diff}");
+            let want = top_n(exact.forward(t).expect("forward"), 5);
+            let got = fast.forward(t).expect("forward");
+            for (id, logit) in want {
+                let diff = (got[id as usize] - logit).abs();
+                // Measured at most 0.31 over these positions (8-bit activations, as llama.cpp).
+                assert!(diff < 0.5, "fast vs exact logit of top token {id}: {diff}");
+            }
         }
-        assert_eq!(
-            top_n(fast.forward(case.greedy_ids[0]).expect("forward"), 1)[0].0,
-            case.greedy_ids[1]
-        );
     }
+    let ppl = |precision| held_out_perplexity(&real_gguf(), precision);
+    let (exact, fast) = (ppl(Precision::Exact), ppl(Precision::Fast));
+    assert!(
+        ((fast - exact) / exact).abs() < 0.005,
+        "perplexity exact {exact} vs fast {fast}"
+    );
+}
+
+fn held_out_perplexity(path: &Path, precision: Precision) -> f64 {
+    let model = Model::load(path).expect("load");
+    let ids = model.tokenizer.encode(&heldout_text()).expect("encode");
+    let mut session = Session::new(model.clone(), 256, precision).expect("session");
+    let (nll, n) = score(&mut session, &ids[..256]).expect("score");
+    (nll / n as f64).exp()
 }
 
 #[test]
 fn lsm_and_gguf_agree_on_held_out_perplexity() {
-    let ppl = |path: &Path| {
-        let model = Model::load(path).expect("load");
-        let ids = model.tokenizer.encode(&heldout_text()).expect("encode");
-        let mut session = Session::new(model.clone(), 256, Precision::Exact).expect("session");
-        let (nll, n) = score(&mut session, &ids[..256]).expect("score");
-        (nll / n as f64).exp()
-    };
+    let ppl = |path: &Path| held_out_perplexity(path, Precision::Exact);
     let (a, b) = (ppl(&real_gguf()), ppl(&real_lsm()));
     assert!(a > 1.0 && a < 100.0, "implausible perplexity {a}");
     assert!(
