@@ -343,7 +343,7 @@ fn safetensors_directory_problems_are_named() {
     assert_err(
         Weights::from_imported(&m),
         d.path(),
-        &["`blk.1.attn_norm.weight`: missing"],
+        &["tensor `output.weight`: missing"],
     );
 }
 
@@ -379,4 +379,19 @@ proptest! {
             let _ = GgufModel::from_file(&f);
         }
     }
+}
+
+#[test]
+fn untied_safetensors_without_lm_head_is_a_missing_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let mut tiny = TinyLlama::new(3);
+    tiny.tensors.remove("output.weight");
+    safetensors::write_tiny_dir(d.path(), &tiny, DType::F32).unwrap();
+    let m = safetensors::import(d.path()).unwrap();
+    assert!(!m.config.tied_embeddings);
+    assert_err(
+        Weights::from_imported(&m),
+        d.path(),
+        &["`output.weight`: missing"],
+    );
 }
