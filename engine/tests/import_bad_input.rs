@@ -178,6 +178,12 @@ fn corrupted_header_fields_are_named() {
     let (p, r) = open_gguf(dir.path(), "dims.gguf", &b);
     assert_err(r, &p, &[t, "more than the file could hold"]);
 
+    // Found by the fuzzer: an empty outer dimension must not let a huge row width through.
+    let mut w = TinyLlama::new(9).gguf_writer(DType::F32);
+    w.add_raw_tensor("wide", 0, &[0, 1 << 62], Vec::new());
+    let (p, r) = open_gguf(dir.path(), "wide.gguf", &w.to_bytes());
+    assert_err(r, &p, &["`wide`", "more than the file could hold"]);
+
     let mut w = TinyLlama::new(9).gguf_writer(DType::F32);
     w.add("general.alignment", Value::U32(48));
     let (p, r) = open_gguf(dir.path(), "align.gguf", &w.to_bytes());
