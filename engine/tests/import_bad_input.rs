@@ -178,6 +178,12 @@ fn corrupted_header_fields_are_named() {
     let (p, r) = open_gguf(dir.path(), "dims.gguf", &b);
     assert_err(r, &p, &[t, "more than the file could hold"]);
 
+    // Found by the fuzzer: an empty outer dimension must not let a huge row width through.
+    let mut w = TinyLlama::new(9).gguf_writer(DType::F32);
+    w.add_raw_tensor("wide", 0, &[0, 1 << 62], Vec::new());
+    let (p, r) = open_gguf(dir.path(), "wide.gguf", &w.to_bytes());
+    assert_err(r, &p, &["`wide`", "more than the file could hold"]);
+
     let mut w = TinyLlama::new(9).gguf_writer(DType::F32);
     w.add("general.alignment", Value::U32(48));
     let (p, r) = open_gguf(dir.path(), "align.gguf", &w.to_bytes());
@@ -343,7 +349,7 @@ fn safetensors_directory_problems_are_named() {
     assert_err(
         Weights::from_imported(&m),
         d.path(),
-        &["`blk.1.attn_norm.weight`: missing"],
+        &["tensor `output.weight`: missing"],
     );
 }
 
@@ -379,4 +385,19 @@ proptest! {
             let _ = GgufModel::from_file(&f);
         }
     }
+}
+
+#[test]
+fn untied_safetensors_without_lm_head_is_a_missing_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let mut tiny = TinyLlama::new(3);
+    tiny.tensors.remove("output.weight");
+    safetensors::write_tiny_dir(d.path(), &tiny, DType::F32).unwrap();
+    let m = safetensors::import(d.path()).unwrap();
+    assert!(!m.config.tied_embeddings);
+    assert_err(
+        Weights::from_imported(&m),
+        d.path(),
+        &["`output.weight`: missing"],
+    );
 }

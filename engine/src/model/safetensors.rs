@@ -256,7 +256,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel> {
         .ok_or_else(|| Error::invalid_file(dir, "config.json is missing"))?;
     let hf: HfConfig = serde_json::from_value(raw)
         .map_err(|e| Error::invalid_file(&config_path, format!("unexpected field type: {e}")))?;
-    let mut config = map_config(&config_path, &hf)?;
+    let config = map_config(&config_path, &hf)?;
 
     let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?
@@ -273,11 +273,10 @@ pub fn import(dir: &Path) -> Result<ImportedModel> {
     }
     let mut tensors: BTreeMap<String, TensorRef> =
         found.into_iter().map(|(k, (t, _))| (k, t)).collect();
+    // Tied: the head is the embedding (Hugging Face ignores a stored lm_head then). Untied with
+    // no lm_head is a broken checkpoint; Weights::from_imported reports `output.weight` missing.
     if config.tied_embeddings {
         tensors.remove("output.weight");
-    }
-    if !tensors.contains_key("output.weight") {
-        config.tied_embeddings = true;
     }
 
     let gen_config = read_json(&dir.join("generation_config.json"))?;

@@ -28,10 +28,15 @@ pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2";
 /// (canonical) names, the raw vocabulary and the chat template.
 #[derive(Debug)]
 pub struct GgufModel {
+    /// The file it was read from.
     pub path: PathBuf,
+    /// Validated hyper-parameters.
     pub config: ModelConfig,
+    /// Every tensor of the file under its GGUF name (the canonical names of [`ImportedModel`]).
     pub tensors: BTreeMap<String, TensorRef>,
+    /// The `tokenizer.ggml.*` metadata (`add_bos` defaults to true only for `llama` vocabularies).
     pub vocab: GgufVocab,
+    /// `tokenizer.chat_template`, if present.
     pub chat_template: Option<String>,
 }
 

@@ -354,15 +354,16 @@ impl GgufFile {
             return Ok((start, None));
         };
         // Every supported type takes at least half a byte per value, so this bound keeps the
-        // size arithmetic below far from overflow.
+        // size arithmetic below far from overflow. The row width is bounded on its own: with an
+        // empty dimension the element count is 0 whatever the width.
         let n = t.n_elements();
-        if n / 2 > self.bytes.len() {
+        let cols = t.shape.last().copied().unwrap_or(1);
+        if n / 2 > self.bytes.len() || cols / 2 > self.bytes.len() {
             return Err(invalid(format!(
-                "tensor `{}` has {n} values, more than the file could hold",
+                "tensor `{}` has {n} values in rows of {cols}, more than the file could hold",
                 t.name
             )));
         }
-        let cols = t.shape.last().copied().unwrap_or(1);
         let rows = n.checked_div(cols).unwrap_or(0);
         let len = dtype
             .row_bytes(cols)

@@ -26,17 +26,24 @@ pub enum TinyArch {
 /// printable ASCII, `Ġ`, `Ċ`, 29 merges) and a ChatML template.
 #[derive(Clone, Debug)]
 pub struct TinyLlama {
+    /// Which flavour: decides the GGUF architecture name, RoPE style and biases.
     pub arch: TinyArch,
     /// The config an importer must produce (for GGUF llama: `rope_style` AdjacentPairs).
     pub config: ModelConfig,
     /// f32 weights by canonical name in Hugging Face layout (Q/K rows *not* permuted):
     /// `(shape outermost first, row-major values)`.
     pub tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    /// Vocabulary in id order (GPT-2 byte-level spelling: `Ġ` is a space, `Ċ` a newline).
     pub tokens: Vec<String>,
+    /// GGUF token types: 3 (control) for the three specials, 1 otherwise.
     pub token_types: Vec<i32>,
+    /// BPE merges, `"left right"`, highest priority first.
     pub merges: Vec<String>,
+    /// `<|im_start|>` (1).
     pub bos: u32,
+    /// `<|im_end|>` (2).
     pub eos: u32,
+    /// A ChatML Jinja template.
     pub chat_template: String,
 }
 
