@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use leanstream_engine::model::{SourceKind, gguf, lsm, safetensors};
+use leanstream_engine::model::lsm;
 use leanstream_engine::quant::DType;
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -32,11 +32,7 @@ pub struct ConvertArgs {
 }
 
 pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
-    let model = match SourceKind::detect(&args.src)? {
-        SourceKind::Gguf => gguf::import(&args.src)?,
-        SourceKind::SafetensorsDir => safetensors::import(&args.src)?,
-        SourceKind::Lsm => anyhow::bail!("{} is already a .lsm file", args.src.display()),
-    };
+    let model = leanstream_engine::model::load_imported(&args.src)?;
     let opts = lsm::ConvertOptions {
         chunk_neurons: args.chunk_neurons,
         down_dtype: match args.down_type {

@@ -82,19 +82,24 @@ impl SourceKind {
     }
 }
 
+/// Imports a GGUF file or a safetensors directory (the sources `leanstream convert` accepts).
+pub fn load_imported(path: &Path) -> Result<ImportedModel> {
+    match SourceKind::detect(path)? {
+        SourceKind::Gguf => gguf::import(path),
+        SourceKind::SafetensorsDir => safetensors::import(path),
+        SourceKind::Lsm => Err(Error::invalid_file(
+            path,
+            "this is already a .lsm file; convert takes a GGUF file or a safetensors directory",
+        )),
+    }
+}
+
 /// Opens any supported model source and builds its compute-ready weights.
 pub fn load(path: &Path) -> Result<(Weights, Tokenizer, Option<String>)> {
-    match SourceKind::detect(path)? {
-        SourceKind::Lsm => lsm::load(path),
-        SourceKind::Gguf => {
-            let m = gguf::import(path)?;
-            let w = Weights::from_imported(&m)?;
-            Ok((w, m.tokenizer, m.chat_template))
-        }
-        SourceKind::SafetensorsDir => {
-            let m = safetensors::import(path)?;
-            let w = Weights::from_imported(&m)?;
-            Ok((w, m.tokenizer, m.chat_template))
-        }
+    if SourceKind::detect(path)? == SourceKind::Lsm {
+        return lsm::load(path);
     }
+    let m = load_imported(path)?;
+    let w = Weights::from_imported(&m)?;
+    Ok((w, m.tokenizer, m.chat_template))
 }

@@ -1,0 +1,285 @@
+//! The offline CLI end to end: the real `leanstream` binary on the real SmolLM2 file and on tiny
+//! generated models, including bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::quant::DType;
+use serde_json::Value;
+
+fn real_gguf() -> PathBuf {
+    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "the real test model is missing at {}: run scripts/fetch-model",
+        path.display()
+    );
+    path
+}
+
+fn leanstream(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .args(args)
+        .output()
+        .expect("run leanstream")
+}
+
+fn ok_json(args: &[&str]) -> Value {
+    let out = leanstream(args);
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+fn err_text(args: &[&str]) -> String {
+    let out = leanstream(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect()
+}
+
+#[test]
+fn run_json_gives_the_fixture_greedy_ids() {
+    let m = real_gguf();
+    let v = ok_json(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time, there was a little",
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    assert_eq!(
+        ids(&v["prompt_ids"]),
+        [6403, 1980, 253, 655, 28, 665, 436, 253, 1838]
+    );
+    assert_eq!(
+        ids(&v["ids"]),
+        [
+            8180, 3365, 20391, 617, 5732, 288, 1238, 281, 260, 2388, 30, 2306, 736, 1129, 685, 288
+        ]
+    );
+    assert_eq!(
+        v["text"],
+        " girl named Emma who loved to play in the sun. She would often go to"
+    );
+    for key in [
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "peak_rss_bytes",
+    ] {
+        assert!(
+            v["stats"][key].as_f64().expect(key) > 0.0,
+            "{key} missing or zero"
+        );
+    }
+}
+
+#[test]
+fn run_streams_the_same_text_and_a_summary() {
+    let m = real_gguf();
+    let args = [
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+    ];
+    let out = leanstream(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert!(text.contains("Paris"), "{text:?}");
+    let summary = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        summary.contains("tok/s") && summary.contains("peak RSS"),
+        "{summary}"
+    );
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let v = ok_json(&json_args);
+    assert_eq!(format!("{}\n", v["text"].as_str().expect("text")), text);
+    // The chat template wrapped the prompt: it opens with <|im_start|> and ends "assistant\n".
+    let p = ids(&v["prompt_ids"]);
+    assert_eq!(p[0], 1);
+    assert_eq!(p[p.len() - 3..], [520, 9531, 198]);
+}
+
+#[test]
+fn sampling_is_repeatable_by_seed() {
+    let m = real_gguf();
+    let run = |seed: &str| {
+        ids(&ok_json(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "The robot",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "1.0",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.95",
+            "--seed",
+            seed,
+            "--json",
+        ])["ids"])
+    };
+    assert_eq!(run("7"), run("7"));
+    assert_ne!(run("7"), run("8"));
+}
+
+#[test]
+fn perplexity_json_reports_tokens_nll_and_ppl() {
+    let m = real_gguf();
+    let text = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/heldout-eval.txt");
+    let v = ok_json(&[
+        "perplexity",
+        "--model",
+        m.to_str().unwrap(),
+        "--file",
+        text,
+        "--window",
+        "128",
+        "--json",
+    ]);
+    let (n, nll, ppl) = (
+        v["tokens"].as_u64().unwrap(),
+        v["nll"].as_f64().unwrap(),
+        v["ppl"].as_f64().unwrap(),
+    );
+    assert!(n > 900, "{n} tokens");
+    assert!((ppl - nll.exp()).abs() < 1e-6 * ppl);
+    assert!(ppl > 2.0 && ppl < 100.0, "implausible perplexity {ppl}");
+}
+
+fn tiny(dir: &Path) -> PathBuf {
+    let p = dir.join("tiny.gguf");
+    TinyLlama::new(21)
+        .write_gguf(&p, DType::Q8_0)
+        .expect("write tiny model");
+    p
+}
+
+#[test]
+fn convert_then_run_the_lsm() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = tiny(dir.path());
+    let dst = dir.path().join("tiny.lsm");
+    let out = leanstream(&[
+        "convert",
+        src.to_str().unwrap(),
+        "-o",
+        dst.to_str().unwrap(),
+        "--chunk-neurons",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(report.contains("relative RMS error"), "{report}");
+    let run = |m: &Path| {
+        ids(&ok_json(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "abc def",
+            "--max-tokens",
+            "6",
+            "--json",
+        ])["ids"])
+    };
+    assert_eq!(run(&src), run(&dst));
+    let e = err_text(&[
+        "convert",
+        dst.to_str().unwrap(),
+        "-o",
+        dir.path().join("again.lsm").to_str().unwrap(),
+    ]);
+    assert!(e.contains("already a .lsm"), "{e}");
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let m = m.to_str().unwrap();
+
+    let e = err_text(&["run", "--model", "/no/such/model.gguf", "--prompt", "hi"]);
+    assert!(
+        e.contains("/no/such/model.gguf") && e.contains("No such file"),
+        "{e}"
+    );
+
+    let junk = dir.path().join("junk.bin");
+    std::fs::write(&junk, b"definitely not a model").unwrap();
+    let e = err_text(&["run", "--model", junk.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(e.contains("junk.bin") && e.contains("unknown magic"), "{e}");
+
+    let e = err_text(&[
+        "run",
+        "--model",
+        m,
+        "--prompt",
+        "a b c d e f g h i j k l",
+        "--context",
+        "4",
+    ]);
+    assert!(
+        e.contains("prompt") && e.contains("do not fit in the context"),
+        "{e}"
+    );
+
+    let e = err_text(&["run", "--model", m, "--prompt", ""]);
+    assert!(e.contains("prompt") && e.contains("empty"), "{e}");
+
+    let e = err_text(&["run", "--model", m, "--prompt", "hi", "--temperature=-1"]);
+    assert!(e.contains("temperature"), "{e}");
+
+    let e = err_text(&["run", "--model", m, "--prompt", "hi", "--context", "100000"]);
+    assert!(e.contains("max_context"), "{e}");
+
+    let bad_text = dir.path().join("latin1.txt");
+    std::fs::write(&bad_text, [0x66, 0x6f, 0xe9, 0x0a]).unwrap();
+    let e = err_text(&[
+        "perplexity",
+        "--model",
+        m,
+        "--file",
+        bad_text.to_str().unwrap(),
+    ]);
+    assert!(e.contains("latin1.txt") && e.contains("not UTF-8"), "{e}");
+}

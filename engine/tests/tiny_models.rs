@@ -1,0 +1,166 @@
+//! Every faster path against the reference forward pass on seeded tiny models: all tensor types,
+//! both RoPE styles (llama GGUF, qwen2 with biases), GGUF vs safetensors vs `.lsm`, every chunk size.
+
+use std::path::{Path, PathBuf};
+
+use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
+use leanstream_engine::model::{gguf, lsm, safetensors};
+use leanstream_engine::quant::DType;
+use leanstream_engine::reference::Reference;
+
+const TOKENS: [u32; 12] = [1, 40, 41, 42, 100, 7, 7, 99, 3, 64, 127, 2];
+
+/// Logits of every position of `TOKENS`, from the engine.
+fn engine_logits(path: &Path, precision: Precision) -> Vec<Vec<f32>> {
+    let model = Model::load(path).expect("load");
+    let mut s = Session::new(model, 64, precision).expect("session");
+    TOKENS
+        .iter()
+        .map(|&t| s.forward(t).expect("forward").to_vec())
+        .collect()
+}
+
+fn reference_logits(path: &Path) -> Vec<Vec<f32>> {
+    let model = Model::load(path).expect("load");
+    let mut r = Reference::new(&model.weights);
+    TOKENS.iter().map(|&t| r.forward(t)).collect()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn to_lsm(src: &Path, dir: &Path, chunk_neurons: usize, down: DType) -> PathBuf {
+    let out = dir.join(format!("m-{chunk_neurons}-{down}.lsm"));
+    let imported = leanstream_engine::model::load_imported(src).expect("import");
+    let opts = lsm::ConvertOptions {
+        chunk_neurons,
+        down_dtype: down,
+    };
+    lsm::convert(&imported, &out, &opts, &mut |_, _| {}).expect("convert");
+    out
+}
+
+#[test]
+fn engine_matches_reference_for_every_tensor_type_and_architecture() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in [TinyArch::Llama, TinyArch::Qwen2] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            let path = dir.path().join(format!("{arch:?}-{dtype}.gguf"));
+            TinyLlama::with_arch(11, arch)
+                .write_gguf(&path, dtype)
+                .expect("write");
+            let want = reference_logits(&path);
+            let exact = max_diff(&want, &engine_logits(&path, Precision::Exact));
+            assert!(
+                exact < 1e-4,
+                "{arch:?} {dtype}: exact path differs by {exact}"
+            );
+            let fast = max_diff(&want, &engine_logits(&path, Precision::Fast));
+            assert!(fast < 0.1, "{arch:?} {dtype}: fast path differs by {fast}");
+            // The checks above must be able to fail: a different model gives different logits.
+            let other = dir.path().join("other.gguf");
+            TinyLlama::with_arch(12, arch)
+                .write_gguf(&other, dtype)
+                .expect("write");
+            assert!(max_diff(&want, &reference_logits(&other)) > 1e-2);
+        }
+    }
+}
+
+#[test]
+fn gguf_and_safetensors_of_the_same_weights_give_the_same_logits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in [TinyArch::Llama, TinyArch::Qwen2] {
+        let tiny = TinyLlama::with_arch(5, arch);
+        let g = dir.path().join(format!("{arch:?}.gguf"));
+        tiny.write_gguf(&g, DType::F32).expect("write gguf");
+        let st = dir.path().join(format!("{arch:?}-hf"));
+        safetensors::write_tiny_dir(&st, &tiny, DType::F32).expect("write safetensors");
+        let d = max_diff(
+            &engine_logits(&g, Precision::Exact),
+            &engine_logits(&st, Precision::Exact),
+        );
+        assert!(d < 1e-4, "{arch:?}: GGUF vs safetensors differ by {d}");
+    }
+}
+
+#[test]
+fn lsm_matches_its_source_for_every_chunk_size_and_down_type() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = dir.path().join("src.gguf");
+    TinyLlama::new(3)
+        .write_gguf(&src, DType::Q4_1)
+        .expect("write");
+    let want = engine_logits(&src, Precision::Exact);
+    for (chunk, down, tol) in [
+        (1, DType::F16, 2e-3),
+        (7, DType::F16, 2e-3),
+        (32, DType::F16, 2e-3),
+        (128, DType::F16, 2e-3),
+        (500, DType::F16, 2e-3),
+        (32, DType::Q8_0, 5e-2),
+        (32, DType::F32, 1e-4),
+    ] {
+        let path = to_lsm(&src, dir.path(), chunk, down);
+        let d = max_diff(&want, &engine_logits(&path, Precision::Exact));
+        assert!(
+            d < tol,
+            "chunk {chunk}, down {down}: differs from the GGUF by {d}"
+        );
+        let r = max_diff(
+            &reference_logits(&path),
+            &engine_logits(&path, Precision::Exact),
+        );
+        assert!(
+            r < 1e-4,
+            "chunk {chunk}, down {down}: engine vs reference on .lsm {r}"
+        );
+    }
+}
+
+#[test]
+fn lsm_keeps_tokenizer_template_and_config() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = dir.path().join("src.gguf");
+    TinyLlama::new(4)
+        .write_gguf(&src, DType::Q8_0)
+        .expect("write");
+    let lsm_path = to_lsm(&src, dir.path(), 16, DType::F16);
+    let a = Model::load(&src).expect("load gguf");
+    let b = Model::load(&lsm_path).expect("load lsm");
+    assert_eq!(a.weights.config, b.weights.config);
+    assert_eq!(a.chat_template, b.chat_template);
+    assert_eq!(a.tokenizer.specials(), b.tokenizer.specials());
+    let text = "hello world 123 <|im_start|>";
+    assert_eq!(
+        a.tokenizer.encode(text).expect("encode"),
+        b.tokenizer.encode(text).expect("encode")
+    );
+    let header = lsm::LsmFile::open(&lsm_path).expect("open").header;
+    assert_eq!(header.ffn.chunk_neurons, 16);
+    assert!(header.ffn.down_error.rms_rel > 0.0 && header.ffn.down_error.rms_rel < 1e-3);
+    assert!(header.streamed.offset % lsm::ALIGN as u64 == 0);
+    assert!(
+        header
+            .ffn
+            .layer_offsets
+            .iter()
+            .all(|o| o % lsm::ALIGN as u64 == 0)
+    );
+    assert!(header.ffn.chunk_bytes % lsm::ALIGN == 0);
+    let _ = gguf::import(&src).expect("gguf import still works");
+}
