@@ -99,7 +99,7 @@ fn parsing_never_panics_on_mutations() {
         let mut bytes = good.clone();
         let at = (seed as usize) % header_end.min(bytes.len());
         bytes[at] = (seed >> 32) as u8;
-        if seed % 5 == 0 {
+        if seed.is_multiple_of(5) {
             bytes.truncate((seed >> 40) as usize % good.len());
         }
         let _ = lsm::LsmFile::parse(Path::new("m.lsm"), TensorBytes::from_vec(bytes));

@@ -153,7 +153,7 @@ fn lsm_keeps_tokenizer_template_and_config() {
     let header = lsm::LsmFile::open(&lsm_path).expect("open").header;
     assert_eq!(header.ffn.chunk_neurons, 16);
     assert!(header.ffn.down_error.rms_rel > 0.0 && header.ffn.down_error.rms_rel < 1e-3);
-    assert!(header.streamed.offset % lsm::ALIGN as u64 == 0);
+    assert!(header.streamed.offset.is_multiple_of(lsm::ALIGN as u64));
     assert!(
         header
             .ffn
@@ -161,6 +161,6 @@ fn lsm_keeps_tokenizer_template_and_config() {
             .iter()
             .all(|o| o % lsm::ALIGN as u64 == 0)
     );
-    assert!(header.ffn.chunk_bytes % lsm::ALIGN == 0);
+    assert!(header.ffn.chunk_bytes.is_multiple_of(lsm::ALIGN));
     let _ = gguf::import(&src).expect("gguf import still works");
 }
