@@ -1,1 +1,4 @@
-//! LeanStream client library (D-Bus contract, built in the daemon issue) and CLI helpers.
+//! LeanStream client library: the D-Bus contract of `leanstreamd` ([`contract`]) for apps to link
+//! without the engine.
+
+pub mod contract;

@@ -134,6 +134,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "prefill_tokens_per_s": stats.prefill_tokens_per_s(),
                 "decode_tokens_per_s": stats.decode_tokens_per_s(),
                 "peak_rss_bytes": peak,
+                "weight_bytes_per_token": model.weights.dense_bytes_per_token(),
                 "prompt_tokens": stats.prompt_tokens,
                 "generated_tokens": stats.generated_tokens,
                 "precision": format!("{:?}", args.precision).to_lowercase(),

@@ -214,6 +214,26 @@ impl TensorTable<'_> {
 }
 
 impl Weights {
+    /// Bytes of weights one dense decode step reads: every projection of every layer, the output
+    /// head, and one embedding row (norm vectors are negligible and not counted).
+    pub fn dense_bytes_per_token(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let down = match &l.ffn.down {
+                    Down::Rows(m) | Down::Neurons(m) => m.stored_bytes(),
+                };
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn.gate, &l.ffn.up]
+                    .iter()
+                    .map(|m| m.stored_bytes())
+                    .sum::<usize>()
+                    + down
+            })
+            .sum();
+        layers + self.output.stored_bytes() + self.token_embd.row_bytes()
+    }
+
     /// Arranges an imported model's tensors for compute, checking every name and shape.
     pub fn from_imported(m: &ImportedModel) -> Result<Weights> {
         let t = TensorTable { model: m };

@@ -1,0 +1,221 @@
+//! The D-Bus contract of `leanstreamd` (DESIGN §8): names, wire types, error names, proxies, and
+//! the token-stream protocol. The daemon implements exactly this; apps link it through this crate.
+//!
+//! Token privacy: `Generate` returns the read end of a pipe (a Unix fd passed in the reply). Only
+//! the caller receives the fd, so no other connection — not even a monitor on a session bus — can
+//! read the tokens, and a pipe is cheap at high token rates. The stream is UTF-8 JSON, one
+//! [`StreamEvent`] per line; it ends with `done` or `error`, then EOF. Closing the read end
+//! cancels the generation.
+
+use serde::{Deserialize, Serialize};
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, Type};
+
+/// Well-known bus name of the daemon.
+pub const BUS_NAME: &str = "io.github.leanstream.LeanStream1";
+/// Object path of the manager.
+pub const MANAGER_PATH: &str = "/io/github/leanstream/LeanStream1";
+/// Sessions live under this path: `{SESSION_PATH_PREFIX}/{n}`.
+pub const SESSION_PATH_PREFIX: &str = "/io/github/leanstream/LeanStream1/session";
+pub const MANAGER_INTERFACE: &str = "io.github.leanstream.LeanStream1.Manager";
+pub const SESSION_INTERFACE: &str = "io.github.leanstream.LeanStream1.Session";
+/// Prefix of every error name.
+pub const ERROR_PREFIX: &str = "io.github.leanstream.LeanStream1.Error";
+
+/// Errors the daemon returns, named `io.github.leanstream.LeanStream1.Error.<Variant>`, each with
+/// a human-readable message.
+#[derive(Debug, zbus::DBusError)]
+#[zbus(prefix = "io.github.leanstream.LeanStream1.Error")]
+pub enum LeanStreamError {
+    /// A transport-level failure (not sent by the daemon itself).
+    #[zbus(error)]
+    ZBus(zbus::Error),
+    /// No model of that name in the configured model directory.
+    ModelNotFound(String),
+    /// An argument is malformed or out of range.
+    InvalidArgument(String),
+    /// The memory budget cannot fit the request.
+    OverBudget(String),
+    /// A limit was reached (sessions, a generation already running on the session).
+    Busy(String),
+    /// The caller does not own the session.
+    AccessDenied(String),
+    /// The generation was cancelled.
+    Cancelled(String),
+    /// A bug or an I/O failure inside the daemon.
+    Internal(String),
+}
+
+impl LeanStreamError {
+    /// What the error means, in plain words, for the CLI.
+    pub fn meaning(&self) -> &'static str {
+        match self {
+            LeanStreamError::ZBus(_) => "could not talk to leanstreamd",
+            LeanStreamError::ModelNotFound(_) => "no such model in the daemon's model directory",
+            LeanStreamError::InvalidArgument(_) => "the request has an invalid argument",
+            LeanStreamError::OverBudget(_) => "the daemon's memory budget cannot fit this",
+            LeanStreamError::Busy(_) => "the daemon is busy (a limit was reached)",
+            LeanStreamError::AccessDenied(_) => "this session belongs to another client",
+            LeanStreamError::Cancelled(_) => "the generation was cancelled",
+            LeanStreamError::Internal(_) => "internal daemon error",
+        }
+    }
+}
+
+/// A model file in the daemon's model directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ModelInfo {
+    /// File stem: `smollm2` for `smollm2.lsm`.
+    pub name: String,
+    /// `lsm` or `gguf`.
+    pub format: String,
+    pub file_bytes: u64,
+    pub loaded: bool,
+}
+
+/// Sampling and length settings of one generation. Zero values mean "the daemon's default" for
+/// `max_tokens`; `temperature` 0 is greedy; `top_k` 0 and `top_p` 1 disable those cuts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Type)]
+pub struct GenerateParams {
+    pub max_tokens: u32,
+    pub temperature: f64,
+    pub top_k: u32,
+    pub top_p: f64,
+    pub repetition_penalty: f64,
+    pub seed: u64,
+    /// Generation stops after any of these strings appears in the output.
+    pub stop: Vec<String>,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams {
+            max_tokens: 0,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// One chat turn: role (`system`, `user`, `assistant`) and content.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ChatTurn {
+    pub role: String,
+    pub content: String,
+}
+
+/// Memory held by one model (shared by all its sessions).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ModelMemory {
+    pub name: String,
+    pub resident_bytes: u64,
+    pub cache_bytes: u64,
+}
+
+/// Memory held by one session (its KV cache and working buffers).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct SessionMemory {
+    pub path: OwnedObjectPath,
+    pub model: String,
+    /// Unique bus name of the owner, e.g. `:1.42`.
+    pub client: String,
+    pub bytes: u64,
+}
+
+/// Memory attributed to one client (the sum of its sessions).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ClientMemory {
+    pub client: String,
+    pub sessions: u32,
+    pub bytes: u64,
+}
+
+/// The arbiter's figures. Invariant: `used_bytes <= budget_bytes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct MemoryReport {
+    pub budget_bytes: u64,
+    pub used_bytes: u64,
+    pub models: Vec<ModelMemory>,
+    pub sessions: Vec<SessionMemory>,
+    pub clients: Vec<ClientMemory>,
+}
+
+/// Counters of one session.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Type)]
+pub struct SessionStats {
+    pub model: String,
+    pub context_tokens: u32,
+    pub position: u32,
+    pub generations: u32,
+    pub generated_tokens: u64,
+}
+
+/// Statistics sent at the end of a stream.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub time_to_first_token_s: f64,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+/// One line of the token stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamEvent {
+    /// A generated token and the text it completed (may be empty while a UTF-8 character is split).
+    Token { id: u32, text: String },
+    /// The generation ended normally; `reason` is `eos`, `max_tokens`, `stop_string` or `context_full`.
+    Done { reason: String, stats: StreamStats },
+    /// The generation failed or was cancelled; `name` is the error name without the prefix.
+    Error { name: String, message: String },
+}
+
+#[zbus::proxy(
+    interface = "io.github.leanstream.LeanStream1.Manager",
+    default_service = "io.github.leanstream.LeanStream1",
+    default_path = "/io/github/leanstream/LeanStream1"
+)]
+pub trait Manager {
+    /// Models in the model directory.
+    fn list_models(&self) -> zbus::Result<Vec<ModelInfo>>;
+    /// Loads a model by name (idempotent).
+    fn load_model(&self, name: &str) -> zbus::Result<()>;
+    /// Unloads a model; fails with `Busy` while it has sessions.
+    fn unload_model(&self, name: &str) -> zbus::Result<()>;
+    /// Opens a session on a model (loading it if needed) with room for `context_tokens` tokens
+    /// (0 = the daemon's default). Only the calling connection may use the returned object.
+    fn open_session(&self, model: &str, context_tokens: u32) -> zbus::Result<OwnedObjectPath>;
+    /// The memory budget and how it is used.
+    fn memory(&self) -> zbus::Result<MemoryReport>;
+    #[zbus(property)]
+    fn version(&self) -> zbus::Result<String>;
+    /// `cpu` or `cuda`.
+    #[zbus(property)]
+    fn backend(&self) -> zbus::Result<String>;
+}
+
+#[zbus::proxy(
+    interface = "io.github.leanstream.LeanStream1.Session",
+    default_service = "io.github.leanstream.LeanStream1"
+)]
+pub trait Session {
+    /// Starts generating from `prompt` (special tokens written in it are recognised); returns the
+    /// read end of the token stream.
+    fn generate(&self, prompt: &str, params: &GenerateParams) -> zbus::Result<OwnedFd>;
+    /// Continues the conversation with `messages`, rendered by the model's chat template.
+    fn generate_chat(
+        &self,
+        messages: &[ChatTurn],
+        params: &GenerateParams,
+    ) -> zbus::Result<OwnedFd>;
+    /// Cancels the running generation, if any (its stream ends with `Cancelled`).
+    fn cancel(&self) -> zbus::Result<()>;
+    /// Closes the session and releases its memory.
+    fn close(&self) -> zbus::Result<()>;
+    fn stats(&self) -> zbus::Result<SessionStats>;
+}
