@@ -7,9 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
-use crate::backend::cpu::{self, Precision, QuantizedActs};
+use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
 use crate::model::{Down, FfnActivation, LayerWeights, RopeStyle, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -42,23 +40,30 @@ impl Model {
 /// 0.13 %, for ~7 % of the fast path's decode speed.
 const DOWN_PRECISION: Precision = Precision::Exact;
 
-/// Per-session scratch, sized once.
+/// Most tokens one pass of [`Session::forward_batch`] runs together; longer prompts go in chunks.
+/// Each weight row is read once per pass and dotted with every token's activations, so prefill
+/// streams the weights once per 32 tokens instead of once per token.
+pub const MAX_BATCH: usize = 32;
+
+/// Per-session scratch, sized once for [`MAX_BATCH`] tokens. Per-token buffers are token-major:
+/// token `t` of a batch owns `[t * len..(t + 1) * len]`.
 #[derive(Debug)]
 struct Scratch {
-    x: Vec<f32>,         // (d_model) residual stream
-    xn: Vec<f32>,        // (d_model) normalised input of a sub-block
-    q: Vec<f32>,         // (q_dim)
-    k: Vec<f32>,         // (kv_dim)
-    v: Vec<f32>,         // (kv_dim)
-    att: Vec<f32>,       // (q_dim) attention output, all heads
-    scores: Vec<f32>,    // (n_heads, max_context) attention weights
-    proj: Vec<f32>,      // (d_model) output of a projection before the residual add
-    gate: Vec<f32>,      // (n_ff)
-    up: Vec<f32>,        // (n_ff)
-    partials: Vec<f32>,  // (n_parts, d_model) per-thread sums of neuron-major down columns
-    logits: Vec<f32>,    // (vocab)
-    acts: QuantizedActs, // activations quantised for Precision::Fast
-    inv_freq: Vec<f32>,  // (head_dim / 2) RoPE frequencies
+    x: Vec<f32>,           // (MAX_BATCH, d_model) residual stream
+    xn: Vec<f32>,          // (MAX_BATCH, d_model) normalised input of a sub-block
+    q: Vec<f32>,           // (MAX_BATCH, q_dim)
+    k: Vec<f32>,           // (MAX_BATCH, kv_dim)
+    v: Vec<f32>,           // (MAX_BATCH, kv_dim)
+    att: Vec<f32>,         // (MAX_BATCH, q_dim) attention output, all heads
+    scores: Vec<f32>,      // (n_heads, max_context) attention weights
+    proj: Vec<f32>,        // (MAX_BATCH, d_model) output of a projection before the residual add
+    gate: Vec<f32>,        // (MAX_BATCH, n_ff)
+    up: Vec<f32>,          // (MAX_BATCH, n_ff)
+    partials: Vec<f32>,    // (n_parts, d_model) per-task sums of neuron-major down columns
+    logits: Vec<f32>,      // (vocab) of the last token of a batch
+    acts: QuantizedActs,   // (MAX_BATCH, longest input) activations quantised for Fast
+    inv_freq: Vec<f32>,    // (head_dim / 2) RoPE frequencies
+    rope: Vec<(f32, f32)>, // (MAX_BATCH, head_dim / 2) (sin, cos) of each token's position
 }
 
 /// One conversation's state: its KV cache and position.
@@ -71,6 +76,7 @@ pub struct Session {
     key_cache: Vec<f32>,   // (n_layers, max_context, kv_dim)
     value_cache: Vec<f32>, // (n_layers, max_context, kv_dim)
     s: Scratch,
+    kernels: &'static Kernels,
 }
 
 /// Bytes of KV cache a session of `max_context` tokens needs (f32 keys and values).
@@ -90,23 +96,25 @@ impl Session {
         }
         let n_parts = rayon::current_num_threads().max(1);
         let kv = c.n_layers * max_context * c.kv_dim();
-        let inv_freq = (0..c.head_dim / 2)
+        let inv_freq: Vec<f32> = (0..c.head_dim / 2)
             .map(|i| c.rope_base.powf(-2.0 * i as f32 / c.head_dim as f32))
             .collect();
+        let b = MAX_BATCH;
         let s = Scratch {
-            x: vec![0.0; c.d_model],
-            xn: vec![0.0; c.d_model],
-            q: vec![0.0; c.q_dim()],
-            k: vec![0.0; c.kv_dim()],
-            v: vec![0.0; c.kv_dim()],
-            att: vec![0.0; c.q_dim()],
+            x: vec![0.0; b * c.d_model],
+            xn: vec![0.0; b * c.d_model],
+            q: vec![0.0; b * c.q_dim()],
+            k: vec![0.0; b * c.kv_dim()],
+            v: vec![0.0; b * c.kv_dim()],
+            att: vec![0.0; b * c.q_dim()],
             scores: vec![0.0; c.n_heads * max_context],
-            proj: vec![0.0; c.d_model],
-            gate: vec![0.0; c.n_ff],
-            up: vec![0.0; c.n_ff],
+            proj: vec![0.0; b * c.d_model],
+            gate: vec![0.0; b * c.n_ff],
+            up: vec![0.0; b * c.n_ff],
             partials: vec![0.0; n_parts * c.d_model],
             logits: vec![0.0; c.vocab_size],
-            acts: QuantizedActs::new(c.d_model.max(c.n_ff).max(c.q_dim())),
+            acts: QuantizedActs::new(b * c.d_model.max(c.n_ff).max(c.q_dim())),
+            rope: vec![(0.0, 1.0); b * inv_freq.len()],
             inv_freq,
         };
         Ok(Session {
@@ -116,6 +124,7 @@ impl Session {
             key_cache: vec![0.0; kv],
             value_cache: vec![0.0; kv],
             s,
+            kernels: Kernels::best(),
             model,
         })
     }
@@ -142,142 +151,245 @@ impl Session {
 
     /// Runs `token` at the next position and returns the logits over the vocabulary.
     pub fn forward(&mut self, token: u32) -> Result<&mut [f32]> {
+        self.forward_batch(&[token])
+    }
+
+    /// Runs `tokens` at the next positions, as if by [`Session::forward`] one after the other, and
+    /// returns the logits of the last one. The results are the same as token by token (the same
+    /// kernels see the same numbers); the weights are streamed once per [`MAX_BATCH`] tokens and
+    /// the output head runs only for the last token.
+    ///
+    /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
+    /// not fit in the context.
+    pub fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         let model = Arc::clone(&self.model);
         let w = &model.weights;
         let c = &w.config;
-        if self.pos >= self.max_context {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "tokens",
+                reason: "is empty".into(),
+            });
+        }
+        if tokens.len() > self.max_context - self.pos {
             return Err(Error::InvalidArgument {
                 arg: "prompt",
                 reason: format!("the context is full ({} tokens)", self.max_context),
             });
         }
-        if token as usize >= c.vocab_size {
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(Error::InvalidArgument {
                 arg: "token",
                 reason: format!("id {token} is outside the vocabulary ({})", c.vocab_size),
             });
         }
-        let s = &mut self.s;
-        w.token_embd.dequantize_row(token as usize, &mut s.x);
-        for (l, layer) in w.layers.iter().enumerate() {
-            self.attention(l, layer);
-            self.ffn(layer);
+        for batch in tokens.chunks(MAX_BATCH) {
+            let s = &mut self.s;
+            let d = c.d_model;
+            let half = s.inv_freq.len();
+            for (t, &token) in batch.iter().enumerate() {
+                w.token_embd
+                    .dequantize_row(token as usize, &mut s.x[t * d..(t + 1) * d]);
+                let pos = (self.pos + t) as f32;
+                let table = &mut s.rope[t * half..(t + 1) * half];
+                for (sc, f) in table.iter_mut().zip(&s.inv_freq) {
+                    *sc = (pos * f).sin_cos();
+                }
+            }
+            for (l, layer) in w.layers.iter().enumerate() {
+                self.attention(l, layer, batch.len());
+                self.ffn(layer, batch.len());
+            }
+            self.pos += batch.len();
         }
         let s = &mut self.s;
-        cpu::rmsnorm(&mut s.xn, &s.x, &w.output_norm, c.rms_eps);
-        cpu::matvec(&w.output, &s.xn, &mut s.logits, self.precision, &mut s.acts);
-        self.pos += 1;
+        let d = c.d_model;
+        let last = (tokens.len() - 1) % MAX_BATCH;
+        cpu::rmsnorm(
+            &mut s.xn[..d],
+            &s.x[last * d..(last + 1) * d],
+            &w.output_norm,
+            c.rms_eps,
+        );
+        let x = self
+            .kernels
+            .prepare(&s.xn[..d], self.precision, &mut s.acts);
+        self.kernels.matvecs(x, [(&w.output, &mut s.logits[..])]);
         Ok(&mut self.s.logits)
     }
 
-    fn attention(&mut self, l: usize, layer: &LayerWeights) {
+    /// The attention block for the `n` tokens of a batch, at positions `self.pos..self.pos + n`.
+    fn attention(&mut self, l: usize, layer: &LayerWeights, n: usize) {
         let c = &self.model.weights.config;
-        let (hd, kv_dim, pos, p) = (c.head_dim, c.kv_dim(), self.pos, self.precision);
-        let s = &mut self.s;
-        cpu::rmsnorm(&mut s.xn, &s.x, &layer.attn_norm, c.rms_eps);
-        cpu::matvec(&layer.wq, &s.xn, &mut s.q, p, &mut s.acts);
-        cpu::matvec(&layer.wk, &s.xn, &mut s.k, p, &mut s.acts);
-        cpu::matvec(&layer.wv, &s.xn, &mut s.v, p, &mut s.acts);
-        for (buf, bias) in [
-            (&mut s.q, &layer.bq),
-            (&mut s.k, &layer.bk),
-            (&mut s.v, &layer.bv),
-        ] {
-            if let Some(b) = bias {
-                cpu::add_inplace(buf, b);
-            }
+        let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
+        let (pos0, p) = (self.pos, self.precision);
+        let (k, s) = (self.kernels, &mut self.s);
+        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
+            cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
         }
-        rope(&mut s.q, hd, pos, &s.inv_freq, c.rope_style);
-        rope(&mut s.k, hd, pos, &s.inv_freq, c.rope_style);
+        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
+        k.matmats(
+            x,
+            n,
+            [
+                (&layer.wq, &mut s.q[..n * q_dim]),
+                (&layer.wk, &mut s.k[..n * kv_dim]),
+                (&layer.wv, &mut s.v[..n * kv_dim]),
+            ],
+        );
+        let half = s.inv_freq.len();
+        for t in 0..n {
+            let (q, kk, v) = (
+                &mut s.q[t * q_dim..(t + 1) * q_dim],
+                &mut s.k[t * kv_dim..(t + 1) * kv_dim],
+                &mut s.v[t * kv_dim..(t + 1) * kv_dim],
+            );
+            for (buf, bias) in [
+                (&mut *q, &layer.bq),
+                (&mut *kk, &layer.bk),
+                (&mut *v, &layer.bv),
+            ] {
+                if let Some(b) = bias {
+                    cpu::add_inplace(buf, b);
+                }
+            }
+            let table = &s.rope[t * half..(t + 1) * half];
+            rope(q, hd, table, c.rope_style);
+            rope(kk, hd, table, c.rope_style);
 
-        // KV cache write at this position.
+            // KV cache write at this token's position.
+            let at = (l * self.max_context + pos0 + t) * kv_dim;
+            self.key_cache[at..at + kv_dim].copy_from_slice(kk);
+            self.value_cache[at..at + kv_dim].copy_from_slice(v);
+        }
         let base = l * self.max_context * kv_dim;
-        let at = base + pos * kv_dim;
-        self.key_cache[at..at + kv_dim].copy_from_slice(&s.k);
-        self.value_cache[at..at + kv_dim].copy_from_slice(&s.v);
-        let keys = &self.key_cache[base..base + (pos + 1) * kv_dim];
-        let values = &self.value_cache[base..base + (pos + 1) * kv_dim];
+        let keys = &self.key_cache[base..base + (pos0 + n) * kv_dim];
+        let values = &self.value_cache[base..base + (pos0 + n) * kv_dim];
 
-        // Causal attention, one query head per task; GQA maps `group` query heads to a KV head.
+        // Causal attention, one query head per task (all tokens of the batch in order, token `t`
+        // seeing positions `0..=pos0 + t`); GQA maps `group` query heads to a KV head.
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q;
-        s.att
-            .par_chunks_mut(hd)
-            .zip(s.scores.par_chunks_mut(self.max_context))
-            .enumerate()
-            .for_each(|(h, (out, scores))| {
+        let max_context = self.max_context;
+        let att = Disjoint::new(&mut s.att);
+        let all_scores = Disjoint::new(&mut s.scores);
+        cpu::for_each_chunk(c.n_heads, 1, |heads| {
+            for h in heads {
                 let kv_off = (h / group) * hd;
-                let qh = &q[h * hd..(h + 1) * hd];
-                let scores = &mut scores[..=pos];
-                for (p, sc) in scores.iter_mut().enumerate() {
-                    let kh = &keys[p * kv_dim + kv_off..][..hd];
-                    *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                for t in 0..n {
+                    let pos = pos0 + t;
+                    let o = t * q_dim + h * hd;
+                    // SAFETY: each head is handed out once; head `h` alone uses its score row and
+                    // its `hd` outputs of every token.
+                    let (out, scores) = unsafe {
+                        (
+                            att.range(o..o + hd),
+                            all_scores.range(h * max_context..h * max_context + pos + 1),
+                        )
+                    };
+                    let qh = &q[o..o + hd];
+                    for (p, sc) in scores.iter_mut().enumerate() {
+                        let kh = &keys[p * kv_dim + kv_off..][..hd];
+                        *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    }
+                    cpu::softmax_inplace(scores);
+                    out.fill(0.0);
+                    for (p, &sc) in scores.iter().enumerate() {
+                        let vh = &values[p * kv_dim + kv_off..][..hd];
+                        out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
+                    }
                 }
-                cpu::softmax_inplace(scores);
-                out.fill(0.0);
-                for (p, &sc) in scores.iter().enumerate() {
-                    let vh = &values[p * kv_dim + kv_off..][..hd];
-                    out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
-                }
-            });
+            }
+        });
 
-        cpu::matvec(&layer.wo, &s.att, &mut s.proj, p, &mut s.acts);
-        cpu::add_inplace(&mut s.x, &s.proj);
+        let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
+        k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
+        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
 
-    fn ffn(&mut self, layer: &LayerWeights) {
+    /// The FFN block for the `n` tokens of a batch.
+    fn ffn(&mut self, layer: &LayerWeights, n: usize) {
         let c = &self.model.weights.config;
-        let p = self.precision;
-        let s = &mut self.s;
-        cpu::rmsnorm(&mut s.xn, &s.x, &layer.ffn_norm, c.rms_eps);
-        cpu::matvec(&layer.ffn.gate, &s.xn, &mut s.gate, p, &mut s.acts);
-        cpu::matvec(&layer.ffn.up, &s.xn, &mut s.up, p, &mut s.acts);
-        match c.activation {
-            FfnActivation::Silu => cpu::silu_mul(&mut s.gate, &s.up),
-            FfnActivation::Relu => s
-                .gate
-                .iter_mut()
-                .zip(&s.up)
-                .for_each(|(g, u)| *g = g.max(0.0) * u),
+        let (d, n_ff, p) = (c.d_model, c.n_ff, self.precision);
+        let (k, s) = (self.kernels, &mut self.s);
+        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
+            cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
         }
+        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
+        // Gate and up rows of the same neurons in one task (for every token of the batch), the
+        // activation applied in place.
+        let (gate, up) = (Disjoint::new(&mut s.gate), Disjoint::new(&mut s.up));
+        let activation = c.activation;
+        let chunk = n_ff
+            .div_ceil(4 * rayon::current_num_threads())
+            .max(cpu::FUSED_ROWS);
+        cpu::for_each_chunk(n_ff, chunk, |r| {
+            for t in 0..n {
+                let o = t * n_ff;
+                // SAFETY: each neuron range is handed out once, so these sub-slices of distinct
+                // tasks do not overlap.
+                let (g, u) = unsafe {
+                    (
+                        gate.range(o + r.start..o + r.end),
+                        up.range(o + r.start..o + r.end),
+                    )
+                };
+                let xt = x.token(t, n);
+                k.rows_dot(&layer.ffn.gate, r.start, xt, g);
+                k.rows_dot(&layer.ffn.up, r.start, xt, u);
+                match activation {
+                    FfnActivation::Silu => cpu::silu_mul(g, u),
+                    FfnActivation::Relu => g
+                        .iter_mut()
+                        .zip(u.iter())
+                        .for_each(|(g, u)| *g = g.max(0.0) * u),
+                }
+            }
+        });
         match &layer.ffn.down {
-            Down::Rows(m) => cpu::matvec(m, &s.gate, &mut s.proj, DOWN_PRECISION, &mut s.acts),
+            Down::Rows(m) => {
+                let x = k.prepare(&s.gate[..n * n_ff], DOWN_PRECISION, &mut s.acts);
+                k.matmats(x, n, [(m, &mut s.proj[..n * d])]);
+            }
             Down::Neurons(m) => {
                 // Sum of act_i * column_i, split over neurons; each task owns one partial sum.
-                let d = c.d_model;
                 let n_parts = s.partials.len() / d;
                 let per_part = m.rows.div_ceil(n_parts);
-                let act = &s.gate;
-                s.partials
-                    .par_chunks_mut(d)
-                    .enumerate()
-                    .for_each(|(part, acc)| {
+                for t in 0..n {
+                    let act = &s.gate[t * n_ff..(t + 1) * n_ff];
+                    let partials = Disjoint::new(&mut s.partials);
+                    cpu::for_each_chunk(n_parts, 1, |parts| {
+                        let part = parts.start;
+                        // SAFETY: each part is handed out once and owns partial sum `part`.
+                        let acc = unsafe { partials.range(part * d..(part + 1) * d) };
                         acc.fill(0.0);
                         let end = ((part + 1) * per_part).min(m.rows);
                         let start = (part * per_part).min(end);
                         for (i, &a) in act.iter().enumerate().take(end).skip(start) {
                             if a != 0.0 {
-                                cpu::axpy(m.dtype, m.row(i), a, acc);
+                                k.axpy(m.dtype, m.row(i), a, acc);
                             }
                         }
                     });
-                s.proj.copy_from_slice(&s.partials[..d]);
-                for part in s.partials[d..].chunks_exact(d) {
-                    cpu::add_inplace(&mut s.proj, part);
+                    let proj = &mut s.proj[t * d..(t + 1) * d];
+                    proj.copy_from_slice(&s.partials[..d]);
+                    for part in s.partials[d..].chunks_exact(d) {
+                        cpu::add_inplace(proj, part);
+                    }
                 }
             }
         }
-        cpu::add_inplace(&mut s.x, &s.proj);
+        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
 }
 
-/// Rotates each head of `x` by position `pos` (`inv_freq[i] = base^(-2i/head_dim)`).
-fn rope(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) {
+/// Rotates each head of `x` by the angles whose `(sin, cos)` are in `rope` (one per pair: the
+/// position times `base^(-2i/head_dim)`).
+fn rope(x: &mut [f32], head_dim: usize, rope: &[(f32, f32)], style: RopeStyle) {
     let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
-        for (i, f) in inv_freq.iter().enumerate() {
-            let (sin, cos) = (pos as f32 * f).sin_cos();
+        for (i, &(sin, cos)) in rope.iter().enumerate() {
             let (a, b) = match style {
                 RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
                 RopeStyle::HalfSplit => (i, i + half),

@@ -100,11 +100,7 @@ pub fn generate(
     let mut ids = Vec::with_capacity(max_tokens);
 
     let start = Instant::now();
-    let (last, rest) = prompt.split_last().expect("checked non-empty above");
-    for &t in rest {
-        session.forward(t)?;
-    }
-    let mut next = sampler.sample(session.forward(*last)?, &history);
+    let mut next = sampler.sample(session.forward_batch(prompt)?, &history);
     stats.prefill = start.elapsed();
 
     let decode_start = Instant::now();

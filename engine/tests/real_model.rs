@@ -126,3 +126,48 @@ fn lsm_and_gguf_agree_on_held_out_perplexity() {
         "GGUF perplexity {a} vs .lsm {b}"
     );
 }
+
+#[test]
+fn batched_prefill_matches_token_by_token() {
+    let model = Model::load(&real_gguf()).expect("load");
+    let ids = model.tokenizer.encode(&heldout_text()).expect("encode");
+    // 45 tokens: a full batch of 32 and a partial one, after a 3-token head start so the batch
+    // does not begin at position 0.
+    let (head, prompt) = (&ids[..3], &ids[3..48]);
+    for precision in [Precision::Exact, Precision::Fast] {
+        let mut one = Session::new(model.clone(), 64, precision).expect("session");
+        let mut batched = Session::new(model.clone(), 64, precision).expect("session");
+        for &t in head {
+            one.forward(t).expect("forward");
+        }
+        batched.forward_batch(head).expect("forward_batch");
+        for &t in prompt {
+            one.forward(t).expect("forward");
+        }
+        let want = one.forward(ids[48]).expect("forward").to_vec();
+        batched.forward_batch(prompt).expect("forward_batch");
+        assert_eq!(batched.position(), 48);
+        let got = batched.forward(ids[48]).expect("forward");
+        let max_diff = want
+            .iter()
+            .zip(got.iter())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            max_diff <= 1e-4,
+            "{precision:?}: max |logit diff| {max_diff}"
+        );
+    }
+}
+
+#[test]
+fn forward_batch_rejects_bad_input_before_any_work() {
+    let model = Model::load(&real_gguf()).expect("load");
+    let mut session = Session::new(model.clone(), 4, Precision::Exact).expect("session");
+    assert!(session.forward_batch(&[]).is_err());
+    assert!(session.forward_batch(&[1, 2, 3, 4, 5]).is_err());
+    assert!(session.forward_batch(&[1, u32::MAX]).is_err());
+    assert_eq!(session.position(), 0);
+    session.forward_batch(&[1, 2, 3, 4]).expect("fits exactly");
+    assert_eq!(session.position(), 4);
+}

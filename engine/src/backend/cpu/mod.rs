@@ -33,6 +33,7 @@ use crate::model::QRows;
 use crate::quant::{DType, QK};
 
 pub use dense::{add_inplace, rmsnorm, silu_mul, softmax_inplace};
+pub use matvec::{Disjoint, for_each_chunk};
 
 /// Activation precision of quantised dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -113,6 +114,42 @@ impl QuantizedActs {
     /// The quantised blocks.
     pub fn blocks(&self) -> &[Q8Block] {
         &self.blocks
+    }
+}
+
+/// Activations made ready for dot products in one precision by [`Kernels::prepare`]: the f32
+/// values, plus their 8-bit blocks for [`Precision::Fast`].
+#[derive(Clone, Copy, Debug)]
+pub struct Prepared<'a> {
+    x: &'a [f32],
+    blocks: Option<&'a [Q8Block]>,
+}
+
+impl<'a> Prepared<'a> {
+    /// Token `t` of a batch prepared as one token-major vector of `n_tokens` tokens.
+    ///
+    /// Panics if `t` is not below `n_tokens` or the length is not `n_tokens` whole blocks.
+    pub fn token(self, t: usize, n_tokens: usize) -> Prepared<'a> {
+        assert!(t < n_tokens, "token {t} of {n_tokens}");
+        let cols = self.x.len() / n_tokens;
+        assert_eq!(cols * n_tokens, self.x.len(), "batch of {n_tokens} tokens");
+        Prepared {
+            x: &self.x[t * cols..(t + 1) * cols],
+            blocks: self.blocks.map(|b| {
+                assert!(cols.is_multiple_of(QK), "{cols} values per token");
+                &b[t * cols / QK..(t + 1) * cols / QK]
+            }),
+        }
+    }
+
+    /// Number of activations.
+    pub fn len(&self) -> usize {
+        self.x.len()
+    }
+
+    /// True for an empty activation vector.
+    pub fn is_empty(&self) -> bool {
+        self.x.is_empty()
     }
 }
 
@@ -218,6 +255,74 @@ impl Kernels {
         (self.axpy[dtype_index(dtype)])(row_prefix(dtype, row, out.len()), a, out)
     }
 
+    /// Prepares `x` for dot products in `precision`; for [`Precision::Fast`] it is quantised into
+    /// `scratch` (which then has to stay borrowed as long as the result).
+    pub fn prepare<'a>(
+        &self,
+        x: &'a [f32],
+        precision: Precision,
+        scratch: &'a mut QuantizedActs,
+    ) -> Prepared<'a> {
+        match precision {
+            Precision::Exact => Prepared { x, blocks: None },
+            Precision::Fast => {
+                scratch.quantize_with(self, x);
+                Prepared {
+                    x,
+                    blocks: Some(scratch.blocks()),
+                }
+            }
+        }
+    }
+
+    /// `out[k] = dot(m.row(first + k), x)` in the precision `x` was prepared for (float rows are
+    /// always exact).
+    ///
+    /// Panics unless `x.len() == m.cols` and `first + out.len() <= m.rows`.
+    #[inline]
+    pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
+        assert_eq!(x.len(), m.cols, "activations vs matrix columns");
+        let i = dtype_index(m.dtype);
+        match x.blocks {
+            Some(b) if i >= 3 => {
+                let dot = self.dot_q8[i - 3];
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), b);
+                }
+            }
+            _ => {
+                let dot = self.dot[i];
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), x.x);
+                }
+            }
+        }
+    }
+
+    /// Several mat-vecs over the same prepared input in one parallel region of the rayon pool:
+    /// `out_j = m_j · x` for every job `(m_j, out_j)`. Work is handed out in [`FUSED_ROWS`]-row
+    /// ranges. Results are the same as [`Kernels::rows_dot`] over each whole matrix.
+    ///
+    /// Panics unless every `out_j.len() == m_j.rows` and `x.len() == m_j.cols`.
+    pub fn matvecs<const N: usize>(&self, x: Prepared<'_>, jobs: [(&QRows, &mut [f32]); N]) {
+        matvec::fused_matvecs(self, x, 1, jobs);
+    }
+
+    /// [`Kernels::matvecs`] for a batch: `x` holds `n_tokens` token-major activation vectors
+    /// (prepared together; each a whole number of blocks) and every `out_j` `n_tokens`
+    /// token-major outputs of `m_j.rows`. Each weight row is read once and dotted with every
+    /// token; each result is the same as [`Kernels::matvecs`] on that token alone.
+    ///
+    /// Panics unless the lengths are `n_tokens` times those of a single mat-vec.
+    pub fn matmats<const N: usize>(
+        &self,
+        x: Prepared<'_>,
+        n_tokens: usize,
+        jobs: [(&QRows, &mut [f32]); N],
+    ) {
+        matvec::fused_matvecs(self, x, n_tokens, jobs);
+    }
+
     /// [`matvec`] with this table.
     pub fn matvec(
         &self,
@@ -302,7 +407,7 @@ pub fn matvec_rows(
     Kernels::best().matvec_rows(m, rows, x, out, precision, scratch);
 }
 
-pub use matvec::MIN_ROWS_PER_TASK;
+pub use matvec::{FUSED_ROWS, MIN_ROWS_PER_TASK};
 
 /// Name of the kernel set in use on this machine, e.g. `"avx2+fma+f16c"` or `"scalar"`.
 pub fn kernel_name() -> &'static str {

@@ -349,6 +349,47 @@ fn matvec_and_matvec_rows_match_oracle() {
     }
 }
 
+/// `matvecs`/`matmats` (fused, batched) give every token the bits `matvec` gives it alone, with
+/// row counts that do not divide into `FUSED_ROWS` items and several matrices in one region.
+#[test]
+fn fused_and_batched_matvecs_match_matvec() {
+    let mut rng = Rng(9);
+    for k in tables() {
+        for dtype in DTYPES {
+            let cols = 96;
+            let (a, b) = (
+                matrix(&mut rng, dtype, 70, cols, false),
+                matrix(&mut rng, dtype, 33, cols, true),
+            );
+            for n in [1, 3] {
+                let x = rng.vec(n * cols, 1.0);
+                for precision in [Precision::Exact, Precision::Fast] {
+                    let mut scratch = QuantizedActs::new(n * cols);
+                    let (mut oa, mut ob) = (vec![f32::NAN; n * 70], vec![f32::NAN; n * 33]);
+                    let prepared = k.prepare(&x, precision, &mut scratch);
+                    k.matmats(prepared, n, [(&a, &mut oa[..]), (&b, &mut ob[..])]);
+                    let mut single = QuantizedActs::new(cols);
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        for (m, out) in [(&a, &oa), (&b, &ob)] {
+                            let mut want = vec![0f32; m.rows];
+                            k.matvec(m, xt, &mut want, precision, &mut single);
+                            let got = &out[t * m.rows..(t + 1) * m.rows];
+                            assert_eq!(
+                                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                "{} {dtype} {precision:?} token {t} of {n}, {} rows",
+                                k.name(),
+                                m.rows
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn free_functions_use_the_best_table() {
     let mut rng = Rng(7);
