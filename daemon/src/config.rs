@@ -222,7 +222,10 @@ impl Params {
         let e = raw.engine;
         let sparsity = e.sparsity.unwrap_or(0.0);
         if !(sparsity.is_finite() && (0.0..1.0).contains(&sparsity)) {
-            return Err(bad("engine.sparsity", format!("{sparsity} is outside [0, 1)")));
+            return Err(bad(
+                "engine.sparsity",
+                format!("{sparsity} is outside [0, 1)"),
+            ));
         }
         match e.mode.as_deref().unwrap_or("dense") {
             "dense" => {}
@@ -241,7 +244,10 @@ impl Params {
         }
         let io_threads = e.io_threads.unwrap_or(2);
         if !(1..=64).contains(&io_threads) {
-            return Err(bad("engine.io_threads", format!("{io_threads} is outside 1..=64")));
+            return Err(bad(
+                "engine.io_threads",
+                format!("{io_threads} is outside 1..=64"),
+            ));
         }
         let compute_threads = e.compute_threads.unwrap_or(0);
         if compute_threads > 1024 {
@@ -262,12 +268,22 @@ impl Params {
                     "is `cuda` but this build has no CUDA support (build with the `cuda` feature, or use `auto` or `cpu`)",
                 ));
             }
-            b => return Err(bad("engine.backend", format!("`{b}` is not auto, cpu or cuda"))),
+            b => {
+                return Err(bad(
+                    "engine.backend",
+                    format!("`{b}` is not auto, cpu or cuda"),
+                ));
+            }
         };
         let precision = match e.precision.as_deref().unwrap_or("exact") {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,
-            p => return Err(bad("engine.precision", format!("`{p}` is not exact or fast"))),
+            p => {
+                return Err(bad(
+                    "engine.precision",
+                    format!("`{p}` is not exact or fast"),
+                ));
+            }
         };
         let l = raw.limits;
         let positive = |key: &str, v: Option<usize>, default: usize, max: usize| {
@@ -329,8 +345,10 @@ mod tests {
 
     #[test]
     fn file_values_are_validated() {
-        let p = params("[models]\ndir = \"DIR\"\n[memory]\nbudget = \"1GiB\"\n[limits]\nmax_sessions = 3\n")
-            .unwrap();
+        let p = params(
+            "[models]\ndir = \"DIR\"\n[memory]\nbudget = \"1GiB\"\n[limits]\nmax_sessions = 3\n",
+        )
+        .unwrap();
         assert_eq!(p.budget_bytes, 1 << 30);
         assert_eq!(p.max_sessions, 3);
         assert_eq!(p.max_tokens, 512);

@@ -156,10 +156,7 @@ pub async fn run(
 }
 
 /// Reports every unique name that leaves the bus, so that its sessions are dropped at once.
-async fn watch_clients(
-    mut stream: zbus::fdo::NameOwnerChangedStream,
-    tx: mpsc::Sender<Request>,
-) {
+async fn watch_clients(mut stream: zbus::fdo::NameOwnerChangedStream, tx: mpsc::Sender<Request>) {
     while let Some(signal) = stream.next().await {
         let Ok(args) = signal.args() else { continue };
         if args.name().starts_with(':') && args.new_owner().is_none() {

@@ -41,7 +41,6 @@ fn main() -> ExitCode {
         Ok(p) => p,
         Err(e) => {
             tracing::error!("{e}");
-            eprintln!("leanstreamd: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -49,7 +48,6 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
-            eprintln!("leanstreamd: {e:#}");
             ExitCode::FAILURE
         }
     }

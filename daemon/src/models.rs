@@ -141,9 +141,21 @@ mod tests {
                 "{name}"
             );
         }
-        for name in ["../secret", "/etc/passwd", "..", ".", "", "a\0b", "a/b", ".hidden"] {
+        for name in [
+            "../secret",
+            "/etc/passwd",
+            "..",
+            ".",
+            "",
+            "a\0b",
+            "a/b",
+            ".hidden",
+        ] {
             assert!(
-                matches!(resolve(&dir, name), Err(LeanStreamError::InvalidArgument(_))),
+                matches!(
+                    resolve(&dir, name),
+                    Err(LeanStreamError::InvalidArgument(_))
+                ),
                 "{name:?}"
             );
         }

@@ -50,7 +50,12 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
     let max_tokens = match p.max_tokens as usize {
         0 => params.max_tokens,
         n if n <= params.max_tokens => n,
-        n => return invalid(format!("max_tokens {n} is over the limit of {}", params.max_tokens)),
+        n => {
+            return invalid(format!(
+                "max_tokens {n} is over the limit of {}",
+                params.max_tokens
+            ));
+        }
     };
     if !(p.temperature.is_finite() && (0.0..=100.0).contains(&p.temperature)) {
         return invalid(format!("temperature {} is outside 0..=100", p.temperature));
@@ -92,7 +97,9 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
 
 fn check_prompt(len: usize, params: &Params) -> Result<(), LeanStreamError> {
     if len == 0 {
-        return Err(LeanStreamError::InvalidArgument("the prompt is empty".into()));
+        return Err(LeanStreamError::InvalidArgument(
+            "the prompt is empty".into(),
+        ));
     }
     if len > params.max_prompt_bytes {
         return Err(LeanStreamError::InvalidArgument(format!(
@@ -227,7 +234,10 @@ impl SessionObject {
                 "a chat needs 1..={MAX_TURNS} messages"
             )));
         }
-        let total: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+        let total: usize = messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum();
         check_prompt(total, &self.params)?;
         if messages
             .iter()

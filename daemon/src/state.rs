@@ -515,8 +515,7 @@ impl<M: Memory> State<M> {
         self.memory
             .open_session(id, &model.name, &client, bytes)
             .map_err(|e| LeanStreamError::OverBudget(e.to_string()))?;
-        let session = match Session::new(Arc::clone(&model.model), context, self.params.precision)
-        {
+        let session = match Session::new(Arc::clone(&model.model), context, self.params.precision) {
             Ok(s) => s,
             Err(e) => {
                 self.memory.close_session(id);

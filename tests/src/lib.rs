@@ -164,7 +164,7 @@ impl Default for DaemonConfig {
 }
 
 /// A running `leanstreamd` on a [`Bus`], with a model directory holding the real model as
-/// `smollm2.gguf` (a symlink) and, outside it, a file an escape symlink points at.
+/// `smollm2.gguf` (a hard link, or a copy across file systems) and, outside it, a file an escape symlink points at.
 #[derive(Debug)]
 pub struct Daemon {
     pub child: Child,
@@ -176,7 +176,12 @@ impl Daemon {
         let dir = tempfile::tempdir()?;
         let models = dir.path().join("models");
         std::fs::create_dir(&models)?;
-        std::os::unix::fs::symlink(real_model(), models.join(format!("{MODEL}.gguf")))?;
+        // A real file: a symlink resolving outside the directory is refused by design.
+        let target = models.join(format!("{MODEL}.gguf"));
+        let source = real_model().canonicalize()?;
+        if std::fs::hard_link(&source, &target).is_err() {
+            std::fs::copy(&source, &target)?;
+        }
         std::fs::write(dir.path().join("outside.gguf"), b"not a model")?;
         std::os::unix::fs::symlink(dir.path().join("outside.gguf"), models.join("escape.gguf"))?;
         let conf = dir.path().join("leanstreamd.toml");
