@@ -1,12 +1,55 @@
-//! `leanstreamd`: the D-Bus service. The service itself is built in its own issue; until then this
-//! binary only reports that it is not available, so the workspace layout is final.
+//! `leanstreamd`: the LeanStream D-Bus service (DESIGN §3, §7, §8).
+//!
+//! Layout: [`config`] (raw config → validated params), [`models`] (names resolve only inside the
+//! model directory), [`memory`] (accounting, to be replaced by the arbiter), [`engine`] (the
+//! scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
+//! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown).
 
 mod arbiter;
+mod config;
+mod daemon;
+mod engine;
+mod memory;
+mod models;
+mod service;
+mod state;
 
-fn main() -> std::process::ExitCode {
-    eprintln!(
-        "leanstreamd {}: the D-Bus service is not built yet; use `leanstream run` for offline inference",
-        env!("CARGO_PKG_VERSION")
-    );
-    std::process::ExitCode::FAILURE
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// LeanStream inference daemon.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Bus to serve on: `system`, `session`, or a D-Bus address (e.g. `unix:path=/run/x`).
+    #[arg(long, default_value = "system")]
+    bus: String,
+    /// Configuration file (TOML). The default file may be missing; an explicit one must exist.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    daemon::init_logging();
+    let (path, explicit) = match &args.config {
+        Some(p) => (p.clone(), true),
+        None => (PathBuf::from(config::DEFAULT_CONFIG), false),
+    };
+    let params = match config::Params::load(&path, explicit) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match daemon::main(params, &args.bus) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

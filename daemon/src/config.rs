@@ -1,0 +1,390 @@
+//! Configuration: a raw serde form with optional fields (what the file and the environment say),
+//! validated once into [`Params`], the runtime form. Every error names the key at fault.
+//!
+//! Sources, later ones winning: the TOML file (default `/etc/leanstream/leanstreamd.toml`, which may
+//! be missing; an explicit `--config` file must exist), then environment variables
+//! `LEANSTREAM__SECTION__KEY` (e.g. `LEANSTREAM__MEMORY__BUDGET=1GiB`).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use leanstream_engine::backend::cpu::Precision;
+use serde::Deserialize;
+
+/// The default configuration file.
+pub const DEFAULT_CONFIG: &str = "/etc/leanstream/leanstreamd.toml";
+
+/// A configuration error; the message names the key.
+#[derive(Debug, thiserror::Error)]
+#[error("configuration: {0}")]
+pub struct ConfigError(String);
+
+fn bad(key: &str, reason: impl fmt::Display) -> ConfigError {
+    ConfigError(format!("`{key}` {reason}"))
+}
+
+/// A byte count written as an integer or a string with a unit: `512MiB`, `1.5 GiB`, `64k`, `100MB`.
+/// Binary (`KiB`, `MiB`, `GiB`, `TiB`, and the short `K`, `M`, `G`, `T`) and decimal (`kB`, `MB`,
+/// `GB`, `TB`) units; no unit means bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    /// Parses a size; see [`ByteSize`] for the accepted forms.
+    pub fn parse(text: &str) -> Result<ByteSize, String> {
+        let t = text.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (number, unit) = t.split_at(split);
+        if number.is_empty() {
+            return Err(format!("`{text}` does not start with a number"));
+        }
+        let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "k" | "kib" => 1 << 10,
+            "m" | "mib" => 1 << 20,
+            "g" | "gib" => 1 << 30,
+            "t" | "tib" => 1 << 40,
+            "kb" => 1_000,
+            "mb" => 1_000_000,
+            "gb" => 1_000_000_000,
+            "tb" => 1_000_000_000_000,
+            other => return Err(format!("unknown unit `{other}` in `{text}`")),
+        };
+        let bytes = if let Ok(n) = number.parse::<u64>() {
+            n.checked_mul(multiplier)
+        } else {
+            let f: f64 = number
+                .parse()
+                .map_err(|_| format!("`{number}` is not a number"))?;
+            let b = f * multiplier as f64;
+            (b.is_finite() && b >= 0.0 && b < u64::MAX as f64).then_some(b as u64)
+        };
+        bytes
+            .map(ByteSize)
+            .ok_or_else(|| format!("`{text}` is too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(ByteSize(n)),
+            Raw::Text(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// The configuration as written, every field optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub models: RawModels,
+    #[serde(default)]
+    pub memory: RawMemory,
+    #[serde(default)]
+    pub engine: RawEngine,
+    #[serde(default)]
+    pub limits: RawLimits,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModels {
+    pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMemory {
+    pub budget: Option<ByteSize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEngine {
+    pub sparsity: Option<f64>,
+    pub mode: Option<String>,
+    pub io_threads: Option<usize>,
+    pub compute_threads: Option<usize>,
+    pub backend: Option<String>,
+    pub precision: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    pub max_sessions: Option<usize>,
+    pub max_context: Option<usize>,
+    pub max_tokens: Option<usize>,
+    pub max_prompt_bytes: Option<usize>,
+}
+
+/// Compute backend actually used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+}
+
+impl Backend {
+    /// The name reported on D-Bus.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+        }
+    }
+}
+
+/// Validated runtime parameters.
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// Models are files `NAME.lsm` / `NAME.gguf` directly in this directory (canonical path).
+    /// Default `/var/lib/leanstream/models`.
+    pub model_dir: PathBuf,
+    /// Memory budget in bytes for weights, caches, KV caches and buffers. Default 512 MiB.
+    pub budget_bytes: u64,
+    /// Default FFN sparsity for the streaming engine, in [0, 1). Default 0 (dense).
+    pub sparsity: f64,
+    /// I/O worker threads of the streaming engine (stored for it). Default 2.
+    pub io_threads: usize,
+    /// Compute threads (rayon pool); 0 means one per core. Default 0.
+    pub compute_threads: usize,
+    pub backend: Backend,
+    /// Activation precision of the quantised dot products. Default exact.
+    pub precision: Precision,
+    /// Most open sessions over all clients. Default 16.
+    pub max_sessions: usize,
+    /// Largest context a session may ask for, in tokens; also the default. Default 2048.
+    pub max_context: usize,
+    /// Most tokens one request may generate; also the default. Default 512.
+    pub max_tokens: usize,
+    /// Longest prompt (or rendered chat) in bytes. Default 64 KiB.
+    pub max_prompt_bytes: usize,
+}
+
+impl Params {
+    /// Reads the file (`explicit` = given on the command line, so it must exist) and the
+    /// environment, then validates.
+    pub fn load(path: &Path, explicit: bool) -> Result<Params, ConfigError> {
+        if explicit && !path.is_file() {
+            return Err(ConfigError(format!(
+                "the configuration file {} does not exist",
+                path.display()
+            )));
+        }
+        let built = config::Config::builder()
+            .add_source(
+                config::File::from(path)
+                    .format(config::FileFormat::Toml)
+                    .required(explicit),
+            )
+            .add_source(
+                config::Environment::with_prefix("LEANSTREAM")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        let raw: RawConfig = built
+            .try_deserialize()
+            .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        Params::validate(raw)
+    }
+
+    /// Turns the raw form into parameters, naming the first bad key.
+    pub fn validate(raw: RawConfig) -> Result<Params, ConfigError> {
+        let dir = raw
+            .models
+            .dir
+            .unwrap_or_else(|| PathBuf::from("/var/lib/leanstream/models"));
+        let model_dir = dir
+            .canonicalize()
+            .map_err(|e| bad("models.dir", format!("({}): {e}", dir.display())))?;
+        if !model_dir.is_dir() {
+            return Err(bad(
+                "models.dir",
+                format!("({}) is not a directory", dir.display()),
+            ));
+        }
+        let budget_bytes = raw.memory.budget.unwrap_or(ByteSize(512 << 20)).0;
+        if budget_bytes == 0 {
+            return Err(bad("memory.budget", "must be more than 0 bytes"));
+        }
+        let e = raw.engine;
+        let sparsity = e.sparsity.unwrap_or(0.0);
+        if !(sparsity.is_finite() && (0.0..1.0).contains(&sparsity)) {
+            return Err(bad(
+                "engine.sparsity",
+                format!("{sparsity} is outside [0, 1)"),
+            ));
+        }
+        match e.mode.as_deref().unwrap_or("dense") {
+            "dense" => {}
+            m @ ("mmap" | "on-demand" | "prefetch" | "leanstream") => {
+                return Err(bad(
+                    "engine.mode",
+                    format!("`{m}` is not available in this build yet (use `dense`)"),
+                ));
+            }
+            m => {
+                return Err(bad(
+                    "engine.mode",
+                    format!("`{m}` is not one of dense, mmap, on-demand, prefetch, leanstream"),
+                ));
+            }
+        }
+        let io_threads = e.io_threads.unwrap_or(2);
+        if !(1..=64).contains(&io_threads) {
+            return Err(bad(
+                "engine.io_threads",
+                format!("{io_threads} is outside 1..=64"),
+            ));
+        }
+        let compute_threads = e.compute_threads.unwrap_or(0);
+        if compute_threads > 1024 {
+            return Err(bad(
+                "engine.compute_threads",
+                format!("{compute_threads} is outside 0..=1024 (0 = one per core)"),
+            ));
+        }
+        let backend = match e.backend.as_deref().unwrap_or("auto") {
+            "cpu" => Backend::Cpu,
+            "auto" => {
+                tracing::info!("backend auto: using the CPU (this build has no CUDA backend)");
+                Backend::Cpu
+            }
+            "cuda" => {
+                return Err(bad(
+                    "engine.backend",
+                    "is `cuda` but this build has no CUDA support (build with the `cuda` feature, or use `auto` or `cpu`)",
+                ));
+            }
+            b => {
+                return Err(bad(
+                    "engine.backend",
+                    format!("`{b}` is not auto, cpu or cuda"),
+                ));
+            }
+        };
+        let precision = match e.precision.as_deref().unwrap_or("exact") {
+            "exact" => Precision::Exact,
+            "fast" => Precision::Fast,
+            p => {
+                return Err(bad(
+                    "engine.precision",
+                    format!("`{p}` is not exact or fast"),
+                ));
+            }
+        };
+        let l = raw.limits;
+        let positive = |key: &str, v: Option<usize>, default: usize, max: usize| {
+            let v = v.unwrap_or(default);
+            if (1..=max).contains(&v) {
+                Ok(v)
+            } else {
+                Err(bad(key, format!("{v} is outside 1..={max}")))
+            }
+        };
+        Ok(Params {
+            model_dir,
+            budget_bytes,
+            sparsity,
+            io_threads,
+            compute_threads,
+            backend,
+            precision,
+            max_sessions: positive("limits.max_sessions", l.max_sessions, 16, 4096)?,
+            max_context: positive("limits.max_context", l.max_context, 2048, 1 << 20)?,
+            max_tokens: positive("limits.max_tokens", l.max_tokens, 512, 1 << 20)?,
+            max_prompt_bytes: positive(
+                "limits.max_prompt_bytes",
+                l.max_prompt_bytes,
+                64 << 10,
+                16 << 20,
+            )?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!(ByteSize::parse("512MiB"), Ok(ByteSize(512 << 20)));
+        assert_eq!(ByteSize::parse("512 MiB"), Ok(ByteSize(512 << 20)));
+        assert_eq!(ByteSize::parse("1.5GiB"), Ok(ByteSize(3 << 29)));
+        assert_eq!(ByteSize::parse("64k"), Ok(ByteSize(64 << 10)));
+        assert_eq!(ByteSize::parse("100MB"), Ok(ByteSize(100_000_000)));
+        assert_eq!(ByteSize::parse("4096"), Ok(ByteSize(4096)));
+        assert!(ByteSize::parse("MiB").is_err());
+        assert!(ByteSize::parse("12 parsecs").is_err());
+        assert!(ByteSize::parse("99999999999999TiB").is_err());
+        assert!(ByteSize::parse("-1").is_err());
+        assert!(ByteSize::parse("1.2.3M").is_err());
+    }
+
+    fn params(toml: &str) -> Result<Params, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        let toml = toml.replace("DIR", &dir.path().display().to_string());
+        std::fs::write(&file, toml).unwrap();
+        Params::load(&file, true)
+    }
+
+    #[test]
+    fn file_values_are_validated() {
+        let p = params(
+            "[models]\ndir = \"DIR\"\n[memory]\nbudget = \"1GiB\"\n[limits]\nmax_sessions = 3\n",
+        )
+        .unwrap();
+        assert_eq!(p.budget_bytes, 1 << 30);
+        assert_eq!(p.max_sessions, 3);
+        assert_eq!(p.max_tokens, 512);
+        assert_eq!(p.backend, Backend::Cpu);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases = [
+            ("[memory]\nbudget = \"lots\"", "memory.budget"),
+            ("[engine]\nbackend = \"cuda\"", "engine.backend"),
+            ("[engine]\nsparsity = 1.5", "engine.sparsity"),
+            ("[engine]\nprecision = \"sloppy\"", "engine.precision"),
+            ("[limits]\nmax_sessions = 0", "limits.max_sessions"),
+            ("[limits]\nmax_sesions = 4", "max_sesions"),
+        ];
+        for (body, key) in cases {
+            let msg = params(&format!("[models]\ndir = \"DIR\"\n{body}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains(key), "{body:?}: {msg}");
+        }
+        let msg = params("[models]\ndir = \"/nonexistent/leanstream\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("models.dir"), "{msg}");
+    }
+
+    #[test]
+    fn a_missing_explicit_file_is_an_error_but_a_default_one_is_not() {
+        let missing = Path::new("/nonexistent/leanstreamd.toml");
+        assert!(Params::load(missing, true).is_err());
+        // Not explicit: the file may be missing; the default model dir may not exist here, so
+        // only check that the error (if any) is not about the file.
+        if let Err(e) = Params::load(missing, false) {
+            assert!(e.to_string().contains("models.dir"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Wiring: logging, the bus connection, startup order and shutdown.
+//!
+//! Startup order: the engine scheduler thread starts and signals ready; the connection is built
+//! and the Manager object served; the state owner and the client watcher start; only then is the
+//! bus name requested, so no call can arrive before everything is up. Shutdown (SIGTERM, SIGINT,
+//! or the injected future in tests): the state owner cancels every generation (streams end with
+//! `Cancelled`) and stops the scheduler, the name is released, and the process exits 0.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use anyhow::Context;
+use futures_lite::StreamExt;
+use leanstream::contract::{BUS_NAME, MANAGER_PATH};
+use tokio::sync::{mpsc, oneshot};
+use zbus::fdo::{RequestNameFlags, RequestNameReply};
+
+use crate::config::Params;
+use crate::engine::Engine;
+use crate::memory::Ledger;
+use crate::service::Manager;
+use crate::state::{Request, State};
+
+/// Depth of the request channel between the D-Bus objects and the state owner.
+const REQUEST_QUEUE: usize = 64;
+
+/// Logs to journald when the process runs under systemd (or the journal socket exists), to
+/// stderr otherwise. `RUST_LOG` filters (default `info`).
+pub fn init_logging() {
+    use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let journal = std::env::var_os("JOURNAL_STREAM").is_some()
+        || std::path::Path::new("/run/systemd/journal/socket").exists();
+    let registry = tracing_subscriber::registry().with(filter);
+    if journal && let Ok(layer) = tracing_journald::layer() {
+        let _ = registry.with(layer).try_init();
+        return;
+    }
+    let _ = registry
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .try_init();
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub fn main(params: Params, bus: &str) -> anyhow::Result<()> {
+    if params.compute_threads > 0 {
+        leanstream_engine::set_compute_threads(params.compute_threads)
+            .map_err(anyhow::Error::msg)
+            .context("setting the compute threads")?;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            }
+        };
+        run(params, bus, shutdown).await
+    })
+}
+
+async fn connect(bus: &str) -> anyhow::Result<zbus::connection::Builder<'static>> {
+    Ok(match bus {
+        "system" => zbus::connection::Builder::system()?,
+        "session" => zbus::connection::Builder::session()?,
+        address => zbus::connection::Builder::address(address)
+            .with_context(|| format!("bad bus address {address:?}"))?,
+    })
+}
+
+/// Serves until `shutdown` completes, then cancels everything and releases the name.
+pub async fn run(
+    params: Params,
+    bus: &str,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let params = Arc::new(params);
+    tracing::info!(
+        "leanstreamd {}: models in {}, budget {} bytes, backend {}, {:?} precision, max {} \
+         sessions, sparsity {} and {} I/O threads (for the streaming engine)",
+        env!("CARGO_PKG_VERSION"),
+        params.model_dir.display(),
+        params.budget_bytes,
+        params.backend.name(),
+        params.precision,
+        params.max_sessions,
+        params.sparsity,
+        params.io_threads,
+    );
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let engine = Engine::start(events_tx).context("starting the engine thread")?;
+    let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
+    let manager = Manager {
+        tx: tx.clone(),
+        params: Arc::clone(&params),
+    };
+    let conn = connect(bus)
+        .await?
+        .serve_at(MANAGER_PATH, manager)?
+        .build()
+        .await
+        .with_context(|| format!("connecting to the {bus} bus"))?;
+    let state = State::new(
+        Arc::clone(&params),
+        Ledger::new(params.budget_bytes),
+        conn.clone(),
+        tx.clone(),
+        engine.tx.clone(),
+    );
+    let state_task = tokio::spawn(state.run(rx, events_rx));
+    // Subscribe to NameOwnerChanged before anyone can reach us.
+    let changes = zbus::fdo::DBusProxy::new(&conn)
+        .await?
+        .receive_name_owner_changed()
+        .await
+        .context("watching clients (NameOwnerChanged)")?;
+    let watcher = tokio::spawn(watch_clients(changes, tx.clone()));
+
+    let reply = conn
+        .request_name_with_flags(BUS_NAME, RequestNameFlags::DoNotQueue.into())
+        .await
+        .with_context(|| format!("requesting the bus name {BUS_NAME}"))?;
+    if !matches!(
+        reply,
+        RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner
+    ) {
+        anyhow::bail!("the bus name {BUS_NAME} is owned by another process ({reply:?})");
+    }
+    tracing::info!("serving {BUS_NAME} on the {bus} bus");
+
+    shutdown.await;
+    let (done_tx, done_rx) = oneshot::channel();
+    if tx.send(Request::Shutdown { reply: done_tx }).await.is_ok() {
+        let _ = done_rx.await;
+    }
+    watcher.abort();
+    let _ = state_task.await;
+    // The scheduler flushes the final `Cancelled` events (for at most a second) and exits.
+    let joined = tokio::task::spawn_blocking(move || engine.thread.join()).await;
+    if !matches!(joined, Ok(Ok(()))) {
+        tracing::error!("the engine thread panicked");
+    }
+    if let Err(e) = conn.release_name(BUS_NAME).await {
+        tracing::warn!("releasing {BUS_NAME}: {e}");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Reports every unique name that leaves the bus, so that its sessions are dropped at once.
+async fn watch_clients(mut stream: zbus::fdo::NameOwnerChangedStream, tx: mpsc::Sender<Request>) {
+    while let Some(signal) = stream.next().await {
+        let Ok(args) = signal.args() else { continue };
+        if args.name().starts_with(':') && args.new_owner().is_none() {
+            let client = args.name().to_string();
+            if tx.send(Request::ClientGone { client }).await.is_err() {
+                return;
+            }
+        }
+    }
+}

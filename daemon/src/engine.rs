@@ -1,0 +1,624 @@
+//! The engine side: one scheduler OS thread that owns every engine [`Session`] and runs the
+//! generations, never on tokio workers.
+//!
+//! Scheduling policy: round-robin, one forward pass per active generation per round, whether that
+//! pass is a prompt token (prefill) or a decode step. Every client gets the same share of the
+//! compute, a long prompt cannot starve the others, and commands (cancel, close, new work) are
+//! taken between any two passes, so they wait at most one forward pass. Each forward pass is
+//! itself parallel on the rayon pool (`[engine] compute_threads`). Sessions on one model share
+//! its `Arc<Model>` (weights, tokenizer); each owns its KV cache.
+//!
+//! Token stream: each step appends a [`StreamEvent`] JSON line to the generation's pipe. The write
+//! end is non-blocking: a reader that does not keep up only pauses its own generation (the
+//! scheduler skips it until the pipe drains), never the others. A write error (EPIPE: the reader
+//! closed its end) cancels that generation quietly.
+
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, PipeWriter, Write};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
+use leanstream_engine::chat::{ChatMessage, ChatTemplate};
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::sample::{Sampler, SamplerConfig};
+use leanstream_engine::tokenizer::Tokenizer;
+
+use crate::memory::SessionId;
+
+/// A loaded model with its compiled chat template. Shared by all sessions on it.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub name: String,
+    pub model: Arc<Model>,
+    pub template: ChatTemplate,
+}
+
+impl LoadedModel {
+    /// Loads the file and compiles its chat template (ChatML when it ships none). Blocking: call
+    /// on a loader thread.
+    pub fn load(name: &str, path: &std::path::Path) -> Result<LoadedModel, String> {
+        let model = Model::load(path).map_err(|e| e.to_string())?;
+        let source = model
+            .chat_template
+            .as_deref()
+            .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
+        let tok = &model.tokenizer;
+        let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
+        let template = ChatTemplate::new(
+            source,
+            &text(tok.specials().bos),
+            &text(tok.specials().eos.first().copied()),
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(LoadedModel {
+            name: name.to_string(),
+            model,
+            template,
+        })
+    }
+}
+
+/// What to generate from.
+#[derive(Debug)]
+pub enum Input {
+    Text(String),
+    /// The whole conversation so far; the KV cache is reused for the prefix it shares with what
+    /// the session has already seen.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub struct GenSpec {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+}
+
+/// Commands to the scheduler thread.
+#[derive(Debug)]
+pub enum EngineCmd {
+    Open {
+        id: SessionId,
+        model: Arc<LoadedModel>,
+        session: Box<Session>,
+    },
+    /// Drops the session (and cancels its generation without a final event: the stream just ends).
+    Close { id: SessionId },
+    Generate {
+        id: SessionId,
+        input: Input,
+        spec: GenSpec,
+        out: PipeWriter,
+        reply: tokio::sync::oneshot::Sender<Result<(), LeanStreamError>>,
+    },
+    /// Ends the running generation of `id` with a `Cancelled` event.
+    Cancel { id: SessionId },
+    /// Cancels everything (streams end with `Cancelled`), flushes for at most a second, exits.
+    Shutdown,
+}
+
+/// Reports from the scheduler thread to the state owner.
+#[derive(Debug)]
+pub enum EngineEvent {
+    /// A `Generate` command is over (`accepted` false: it was refused up front).
+    Finished {
+        id: SessionId,
+        accepted: bool,
+        generated: u64,
+        position: u32,
+    },
+}
+
+/// Handle of the scheduler thread.
+#[derive(Debug)]
+pub struct Engine {
+    pub tx: Sender<EngineCmd>,
+    pub thread: std::thread::JoinHandle<()>,
+}
+
+impl Engine {
+    /// Starts the scheduler thread and waits until it is up (the ready handshake).
+    pub fn start(
+        events: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    ) -> std::io::Result<Engine> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let thread = std::thread::Builder::new()
+            .name("leanstream-sched".into())
+            .spawn(move || {
+                let _ = ready_tx.send(());
+                Scheduler {
+                    rx,
+                    events,
+                    sessions: BTreeMap::new(),
+                }
+                .run();
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("the scheduler thread died while starting"))?;
+        Ok(Engine { tx, thread })
+    }
+}
+
+/// Incremental detokenizer over a shared model (the same algorithm as the engine's
+/// `TextStream`, which borrows its tokenizer and so cannot live in a session table).
+#[derive(Debug, Default)]
+struct Detok {
+    ids: Vec<u32>,
+    context: usize,
+    prefix: String,
+}
+
+impl Detok {
+    const MAX_PENDING: usize = 8;
+
+    fn push(&mut self, tok: &Tokenizer, id: u32) -> leanstream_engine::Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids)?;
+        let pending = self.ids.len() - self.context;
+        let complete = !text.ends_with('\u{FFFD}');
+        if text.len() > self.prefix.len() && complete || pending >= Self::MAX_PENDING {
+            let new = match text.strip_prefix(self.prefix.as_str()) {
+                Some(rest) => rest.to_string(),
+                None => tok.decode(&self.ids[self.context..])?,
+            };
+            self.ids.drain(..self.context);
+            self.context = self.ids.len();
+            self.prefix = tok.decode(&self.ids)?;
+            Ok(new)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Phase {
+    /// Feeding prompt tokens; `fed` of them are in the KV cache.
+    Prefill { fed: usize },
+    /// `next` was sampled and is emitted on the next step.
+    Decode { next: u32 },
+    /// The final event is queued; the generation ends once it is written.
+    Ending,
+}
+
+#[derive(Debug)]
+struct Generation {
+    prompt: Vec<u32>,
+    phase: Phase,
+    sampler: Sampler,
+    spec: GenSpec,
+    /// Tokens the repetition penalty sees: the prompt, then the generated ids.
+    history: Vec<u32>,
+    generated: Vec<u32>,
+    text: String,
+    detok: Detok,
+    out: PipeWriter,
+    /// Bytes not yet written (the pipe was full).
+    pending: Vec<u8>,
+    started: Instant,
+    prompt_tokens: usize,
+    prefill: Duration,
+    decode_start: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct EngineSession {
+    model: Arc<LoadedModel>,
+    session: Box<Session>,
+    /// The tokens in the KV cache, in order.
+    seen: Vec<u32>,
+    generation: Option<Generation>,
+}
+
+struct Scheduler {
+    rx: Receiver<EngineCmd>,
+    events: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    sessions: BTreeMap<SessionId, EngineSession>,
+}
+
+/// How one step went.
+enum Step {
+    Continue,
+    /// The pipe is full; skip this generation until it drains.
+    Blocked,
+    /// The generation is over (final event written, or the reader is gone).
+    Over,
+}
+
+impl Scheduler {
+    fn run(mut self) {
+        loop {
+            // Take commands: wait for one if there is nothing to compute.
+            let runnable = self.sessions.values().any(|s| {
+                s.generation
+                    .as_ref()
+                    .is_some_and(|g| g.pending.is_empty() && g.phase != Phase::Ending)
+            });
+            let waiting = self.sessions.values().any(|s| s.generation.is_some());
+            let first = if runnable {
+                match self.rx.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return self.shutdown(),
+                }
+            } else if waiting {
+                match self.rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
+                }
+            } else {
+                match self.rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return self.shutdown(),
+                }
+            };
+            if let Some(cmd) = first
+                && self.handle(cmd)
+            {
+                return self.shutdown();
+            }
+            // One round: one step for each active generation, commands between steps.
+            let ids: Vec<SessionId> = self
+                .sessions
+                .iter()
+                .filter(|(_, s)| s.generation.is_some())
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                self.step(id);
+                loop {
+                    match self.rx.try_recv() {
+                        Ok(cmd) => {
+                            if self.handle(cmd) {
+                                return self.shutdown();
+                            }
+                        }
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => return self.shutdown(),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles a command; returns true on shutdown.
+    fn handle(&mut self, cmd: EngineCmd) -> bool {
+        match cmd {
+            EngineCmd::Open { id, model, session } => {
+                self.sessions.insert(
+                    id,
+                    EngineSession {
+                        model,
+                        session,
+                        seen: Vec::new(),
+                        generation: None,
+                    },
+                );
+            }
+            EngineCmd::Close { id } => {
+                if let Some(mut s) = self.sessions.remove(&id)
+                    && s.generation.take().is_some()
+                {
+                    self.finished(id, true, 0, 0);
+                }
+            }
+            EngineCmd::Cancel { id } => {
+                if let Some(s) = self.sessions.get_mut(&id)
+                    && let Some(g) = &mut s.generation
+                    && g.phase != Phase::Ending
+                {
+                    end_with_error(g, "Cancelled", "the generation was cancelled");
+                }
+            }
+            EngineCmd::Generate {
+                id,
+                input,
+                spec,
+                out,
+                reply,
+            } => {
+                let result = self.start(id, input, spec, out);
+                let accepted = result.is_ok();
+                let _ = reply.send(result);
+                if !accepted {
+                    let position = self.position(id);
+                    self.finished(id, false, 0, position);
+                }
+            }
+            EngineCmd::Shutdown => return true,
+        }
+        false
+    }
+
+    fn position(&self, id: SessionId) -> u32 {
+        self.sessions
+            .get(&id)
+            .map_or(0, |s| s.session.position() as u32)
+    }
+
+    fn finished(&self, id: SessionId, accepted: bool, generated: u64, position: u32) {
+        let _ = self.events.send(EngineEvent::Finished {
+            id,
+            accepted,
+            generated,
+            position,
+        });
+    }
+
+    /// Tokenises the input and installs the generation; errors are for the caller.
+    fn start(
+        &mut self,
+        id: SessionId,
+        input: Input,
+        spec: GenSpec,
+        out: PipeWriter,
+    ) -> Result<(), LeanStreamError> {
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))?;
+        if s.generation.is_some() {
+            return Err(LeanStreamError::Busy(
+                "a generation is already running on this session".into(),
+            ));
+        }
+        let text = match input {
+            Input::Text(t) => t,
+            Input::Chat(messages) => s
+                .model
+                .template
+                .render(&messages, true)
+                .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?,
+        };
+        let ids = s
+            .model
+            .model
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+        if ids.is_empty() {
+            return Err(LeanStreamError::InvalidArgument(
+                "the prompt encodes to no tokens".into(),
+            ));
+        }
+        let vocab = s.model.model.weights.config.vocab_size;
+        let sampler = Sampler::new(spec.sampler.clone(), vocab)
+            .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+        // Reuse the KV cache when the new prompt extends what the session has seen.
+        let max = s.session.max_context();
+        let reuse = s.seen.len() < ids.len() && ids.starts_with(&s.seen);
+        if !reuse || ids.len() > max {
+            s.session.reset();
+            s.seen.clear();
+        }
+        if ids.len() > max {
+            return Err(LeanStreamError::InvalidArgument(format!(
+                "the prompt is {} tokens; the session's context holds {max}",
+                ids.len()
+            )));
+        }
+        let suffix = ids[s.seen.len()..].to_vec();
+        set_nonblocking(&out)?;
+        s.generation = Some(Generation {
+            prompt: suffix,
+            phase: Phase::Prefill { fed: 0 },
+            sampler,
+            history: ids.clone(),
+            generated: Vec::with_capacity(spec.max_tokens),
+            text: String::new(),
+            detok: Detok::default(),
+            out,
+            pending: Vec::new(),
+            started: Instant::now(),
+            prompt_tokens: ids.len(),
+            prefill: Duration::ZERO,
+            decode_start: None,
+            spec,
+        });
+        Ok(())
+    }
+
+    /// Runs one forward pass (or writes pending bytes) for session `id`.
+    fn step(&mut self, id: SessionId) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let outcome = match &mut s.generation {
+            Some(g) => advance(s.model.as_ref(), &mut s.session, &mut s.seen, g),
+            None => return,
+        };
+        if let Step::Over = outcome
+            && let Some(g) = s.generation.take()
+        {
+            let position = s.session.position() as u32;
+            self.finished(id, true, g.generated.len() as u64, position);
+        }
+    }
+
+    fn shutdown(mut self) {
+        for s in self.sessions.values_mut() {
+            if let Some(g) = &mut s.generation
+                && g.phase != Phase::Ending
+            {
+                end_with_error(g, "Cancelled", "the daemon is shutting down");
+            }
+        }
+        // Give readers a moment to drain full pipes, then drop everything (EOF).
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let mut left = false;
+            for s in self.sessions.values_mut() {
+                if let Some(g) = &mut s.generation {
+                    match flush(g) {
+                        Ok(true) => left = true,
+                        _ => s.generation = None,
+                    }
+                }
+            }
+            if !left {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        tracing::info!("engine scheduler stopped");
+    }
+}
+
+/// Puts the pipe's write end in non-blocking mode.
+fn set_nonblocking(out: &PipeWriter) -> Result<(), LeanStreamError> {
+    let flags = rustix::fs::fcntl_getfl(out)
+        .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))?;
+    rustix::fs::fcntl_setfl(out, flags | rustix::fs::OFlags::NONBLOCK)
+        .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))
+}
+
+/// Queues `event` as one JSON line.
+fn queue(g: &mut Generation, event: &StreamEvent) {
+    // Serialising these plain types cannot fail; an empty line would be the only trace if it did.
+    if let Ok(line) = serde_json::to_vec(event) {
+        g.pending.extend_from_slice(&line);
+    }
+    g.pending.push(b'\n');
+}
+
+/// Writes what the pipe takes. `Ok(true)`: bytes are left (pipe full); `Err`: the reader is gone.
+fn flush(g: &mut Generation) -> std::io::Result<bool> {
+    while !g.pending.is_empty() {
+        match g.out.write(&g.pending) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                g.pending.drain(..n);
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(true),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+fn end_with_error(g: &mut Generation, name: &str, message: &str) {
+    queue(
+        g,
+        &StreamEvent::Error {
+            name: name.into(),
+            message: message.into(),
+        },
+    );
+    g.phase = Phase::Ending;
+}
+
+fn end_done(g: &mut Generation, reason: &str) {
+    let decode = g.decode_start.map_or(Duration::ZERO, |t| t.elapsed());
+    let n = g.generated.len();
+    let rate = |k: usize, d: Duration| {
+        if d.is_zero() {
+            0.0
+        } else {
+            k as f64 / d.as_secs_f64()
+        }
+    };
+    let stats = StreamStats {
+        prompt_tokens: g.prompt_tokens,
+        generated_tokens: n,
+        time_to_first_token_s: g.prefill.as_secs_f64(),
+        prefill_tokens_per_s: rate(g.prompt.len(), g.prefill),
+        decode_tokens_per_s: rate(n.saturating_sub(1), decode),
+    };
+    queue(
+        g,
+        &StreamEvent::Done {
+            reason: reason.into(),
+            stats,
+        },
+    );
+    g.phase = Phase::Ending;
+}
+
+/// One step of a generation, mirroring `leanstream_engine::generate::generate` (the same ids for
+/// the same settings), but one forward pass at a time.
+fn advance(
+    model: &LoadedModel,
+    session: &mut Session,
+    seen: &mut Vec<u32>,
+    g: &mut Generation,
+) -> Step {
+    match flush(g) {
+        Err(_) => return Step::Over, // the reader closed its end: cancelled
+        Ok(true) => return Step::Blocked,
+        Ok(false) if g.phase == Phase::Ending => return Step::Over,
+        Ok(false) => {}
+    }
+    match compute(model, session, seen, g) {
+        Ok(()) => {}
+        Err(e) => {
+            tracing::error!("generation failed: {e}");
+            end_with_error(g, "Internal", &e.to_string());
+        }
+    }
+    match flush(g) {
+        Err(_) => Step::Over,
+        Ok(true) => Step::Blocked,
+        Ok(false) if g.phase == Phase::Ending => Step::Over,
+        Ok(false) => Step::Continue,
+    }
+}
+
+fn compute(
+    model: &LoadedModel,
+    session: &mut Session,
+    seen: &mut Vec<u32>,
+    g: &mut Generation,
+) -> leanstream_engine::Result<()> {
+    match g.phase {
+        Phase::Prefill { fed } => {
+            let token = g.prompt[fed];
+            let logits = session.forward(token)?;
+            seen.push(token);
+            if fed + 1 < g.prompt.len() {
+                g.phase = Phase::Prefill { fed: fed + 1 };
+            } else {
+                let next = g.sampler.sample(logits, &g.history);
+                g.prefill = g.started.elapsed();
+                g.decode_start = Some(Instant::now());
+                g.phase = Phase::Decode { next };
+            }
+        }
+        Phase::Decode { next } => {
+            let tok = &model.model.tokenizer;
+            g.generated.push(next);
+            g.history.push(next);
+            let piece = g.detok.push(tok, next)?;
+            g.text.push_str(&piece);
+            queue(
+                g,
+                &StreamEvent::Token {
+                    id: next,
+                    text: piece,
+                },
+            );
+            if tok.is_eos(next) {
+                end_done(g, "eos");
+            } else if g.spec.stop.iter().any(|s| g.text.contains(s.as_str())) {
+                end_done(g, "stop_string");
+            } else if g.generated.len() >= g.spec.max_tokens {
+                end_done(g, "max_tokens");
+            } else if session.position() >= session.max_context() {
+                end_done(g, "context_full");
+            } else {
+                let logits = session.forward(next)?;
+                seen.push(next);
+                let sampled = g.sampler.sample(logits, &g.history);
+                g.phase = Phase::Decode { next: sampled };
+            }
+        }
+        Phase::Ending => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! The D-Bus objects: thin. Each method validates its input, sends a [`Request`] to the state
+//! owner and awaits the reply. The caller's identity is the sender's unique name from the message
+//! header (set by the bus, so it cannot be forged).
+
+use std::sync::Arc;
+
+use leanstream::contract::{
+    ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, SessionStats,
+};
+use leanstream_engine::chat::ChatMessage;
+use leanstream_engine::sample::SamplerConfig;
+use tokio::sync::mpsc;
+use zbus::interface;
+use zbus::message::Header;
+use zbus::zvariant::{OwnedFd, OwnedObjectPath};
+
+use crate::config::Params;
+use crate::engine::{GenSpec, Input};
+use crate::memory::SessionId;
+use crate::models::{self, ModelFile};
+use crate::state::{Request, ask};
+
+/// Most stop strings per request, and the longest one in bytes.
+const MAX_STOP_STRINGS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+/// Most chat turns per request.
+const MAX_TURNS: usize = 1024;
+
+/// The caller's unique name.
+fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
+    header
+        .sender()
+        .map(|s| s.to_string())
+        .ok_or_else(|| LeanStreamError::AccessDenied("the call has no sender".into()))
+}
+
+/// Resolves a model name in the model directory, off the async workers.
+async fn resolve(params: &Params, name: &str) -> Result<ModelFile, LeanStreamError> {
+    models::check_name(name)?;
+    let dir = params.model_dir.clone();
+    let name = name.to_string();
+    tokio::task::spawn_blocking(move || models::resolve(&dir, &name))
+        .await
+        .map_err(|e| LeanStreamError::Internal(e.to_string()))?
+}
+
+/// Checks sampling and length settings against the limits; `max_tokens` 0 means the limit.
+pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, LeanStreamError> {
+    let invalid = |m: String| Err(LeanStreamError::InvalidArgument(m));
+    let max_tokens = match p.max_tokens as usize {
+        0 => params.max_tokens,
+        n if n <= params.max_tokens => n,
+        n => {
+            return invalid(format!(
+                "max_tokens {n} is over the limit of {}",
+                params.max_tokens
+            ));
+        }
+    };
+    if !(p.temperature.is_finite() && (0.0..=100.0).contains(&p.temperature)) {
+        return invalid(format!("temperature {} is outside 0..=100", p.temperature));
+    }
+    if !(p.top_p.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
+        return invalid(format!("top_p {} is outside (0, 1]", p.top_p));
+    }
+    if !(p.repetition_penalty.is_finite() && (0.1..=10.0).contains(&p.repetition_penalty)) {
+        return invalid(format!(
+            "repetition_penalty {} is outside 0.1..=10",
+            p.repetition_penalty
+        ));
+    }
+    if p.top_k > 1_000_000 {
+        return invalid(format!("top_k {} is absurd", p.top_k));
+    }
+    if p.stop.len() > MAX_STOP_STRINGS
+        || p.stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return invalid(format!(
+            "stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"
+        ));
+    }
+    Ok(GenSpec {
+        max_tokens,
+        sampler: SamplerConfig {
+            temperature: p.temperature as f32,
+            top_k: p.top_k as usize,
+            top_p: p.top_p as f32,
+            repetition_penalty: p.repetition_penalty as f32,
+            seed: p.seed,
+            ..SamplerConfig::default()
+        },
+        stop: p.stop.clone(),
+    })
+}
+
+fn check_prompt(len: usize, params: &Params) -> Result<(), LeanStreamError> {
+    if len == 0 {
+        return Err(LeanStreamError::InvalidArgument(
+            "the prompt is empty".into(),
+        ));
+    }
+    if len > params.max_prompt_bytes {
+        return Err(LeanStreamError::InvalidArgument(format!(
+            "the prompt is {len} bytes, over the limit of {}",
+            params.max_prompt_bytes
+        )));
+    }
+    Ok(())
+}
+
+/// `io.github.leanstream.LeanStream1.Manager` at [`leanstream::contract::MANAGER_PATH`].
+#[derive(Debug)]
+pub struct Manager {
+    pub tx: mpsc::Sender<Request>,
+    pub params: Arc<Params>,
+}
+
+#[interface(name = "io.github.leanstream.LeanStream1.Manager")]
+impl Manager {
+    #[zbus(out_args("models"))]
+    async fn list_models(&self) -> Result<Vec<ModelInfo>, LeanStreamError> {
+        ask(&self.tx, |reply| Request::ListModels { reply }).await
+    }
+
+    async fn load_model(&self, name: &str) -> Result<(), LeanStreamError> {
+        let file = resolve(&self.params, name).await?;
+        ask(&self.tx, |reply| Request::LoadModel { file, reply }).await
+    }
+
+    async fn unload_model(&self, name: &str) -> Result<(), LeanStreamError> {
+        models::check_name(name)?;
+        let name = name.to_string();
+        ask(&self.tx, |reply| Request::UnloadModel { name, reply }).await
+    }
+
+    #[zbus(out_args("session"))]
+    async fn open_session(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        model: &str,
+        context_tokens: u32,
+    ) -> Result<OwnedObjectPath, LeanStreamError> {
+        let client = caller(&header)?;
+        if context_tokens as usize > self.params.max_context {
+            return Err(LeanStreamError::InvalidArgument(format!(
+                "context of {context_tokens} tokens is over the limit of {}",
+                self.params.max_context
+            )));
+        }
+        let file = resolve(&self.params, model).await?;
+        ask(&self.tx, |reply| Request::OpenSession {
+            file,
+            context: context_tokens,
+            client,
+            reply,
+        })
+        .await
+    }
+
+    #[zbus(out_args("report"))]
+    async fn memory(&self) -> Result<MemoryReport, LeanStreamError> {
+        ask(&self.tx, |reply| Request::Memory { reply }).await
+    }
+
+    #[zbus(property)]
+    fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_string()
+    }
+
+    #[zbus(property)]
+    fn backend(&self) -> String {
+        self.params.backend.name().to_string()
+    }
+}
+
+/// `io.github.leanstream.LeanStream1.Session`, one object per session.
+#[derive(Debug)]
+pub struct SessionObject {
+    id: SessionId,
+    tx: mpsc::Sender<Request>,
+    params: Arc<Params>,
+}
+
+impl SessionObject {
+    pub fn new(id: SessionId, tx: mpsc::Sender<Request>, params: Arc<Params>) -> SessionObject {
+        SessionObject { id, tx, params }
+    }
+
+    async fn start(
+        &self,
+        header: &Header<'_>,
+        input: Input,
+        params: &GenerateParams,
+    ) -> Result<OwnedFd, LeanStreamError> {
+        let client = caller(header)?;
+        let spec = validate_params(params, &self.params)?;
+        let id = self.id;
+        ask(&self.tx, |reply| Request::Generate {
+            id,
+            client,
+            input,
+            spec,
+            reply,
+        })
+        .await
+    }
+}
+
+#[interface(name = "io.github.leanstream.LeanStream1.Session")]
+impl SessionObject {
+    #[zbus(out_args("stream"))]
+    async fn generate(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        prompt: &str,
+        params: GenerateParams,
+    ) -> Result<OwnedFd, LeanStreamError> {
+        check_prompt(prompt.len(), &self.params)?;
+        self.start(&header, Input::Text(prompt.to_string()), &params)
+            .await
+    }
+
+    #[zbus(out_args("stream"))]
+    async fn generate_chat(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        messages: Vec<ChatTurn>,
+        params: GenerateParams,
+    ) -> Result<OwnedFd, LeanStreamError> {
+        if messages.is_empty() || messages.len() > MAX_TURNS {
+            return Err(LeanStreamError::InvalidArgument(format!(
+                "a chat needs 1..={MAX_TURNS} messages"
+            )));
+        }
+        let total: usize = messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum();
+        check_prompt(total, &self.params)?;
+        if messages
+            .iter()
+            .any(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool"))
+        {
+            return Err(LeanStreamError::InvalidArgument(
+                "a message role must be system, user, assistant or tool".into(),
+            ));
+        }
+        let messages = messages
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect();
+        self.start(&header, Input::Chat(messages), &params).await
+    }
+
+    async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
+        let client = caller(&header)?;
+        let id = self.id;
+        ask(&self.tx, |reply| Request::Cancel { id, client, reply }).await
+    }
+
+    async fn close(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
+        let client = caller(&header)?;
+        let id = self.id;
+        ask(&self.tx, |reply| Request::Close { id, client, reply }).await
+    }
+
+    #[zbus(out_args("stats"))]
+    async fn stats(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<SessionStats, LeanStreamError> {
+        let client = caller(&header)?;
+        let id = self.id;
+        ask(&self.tx, |reply| Request::Stats { id, client, reply }).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::RawConfig;
+
+    fn params() -> Params {
+        let mut raw = RawConfig::default();
+        raw.models.dir = Some(std::env::temp_dir());
+        Params::validate(raw).unwrap()
+    }
+
+    #[test]
+    fn absurd_sampling_settings_are_refused() {
+        let p = params();
+        let ok = GenerateParams::default();
+        assert_eq!(validate_params(&ok, &p).unwrap().max_tokens, p.max_tokens);
+        let cases: [fn(&mut GenerateParams); 9] = [
+            |g| g.temperature = f64::NAN,
+            |g| g.temperature = -1.0,
+            |g| g.temperature = 1e9,
+            |g| g.top_p = 0.0,
+            |g| g.top_p = f64::INFINITY,
+            |g| g.repetition_penalty = 0.0,
+            |g| g.max_tokens = u32::MAX,
+            |g| g.stop = vec![String::new()],
+            |g| g.top_k = u32::MAX,
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut g = ok.clone();
+            f(&mut g);
+            assert!(
+                matches!(
+                    validate_params(&g, &p),
+                    Err(LeanStreamError::InvalidArgument(_))
+                ),
+                "case {i}"
+            );
+        }
+        assert!(check_prompt(0, &p).is_err());
+        assert!(check_prompt(p.max_prompt_bytes + 1, &p).is_err());
+        assert!(check_prompt(p.max_prompt_bytes, &p).is_ok());
+    }
+}

@@ -1,0 +1,378 @@
+//! End-to-end harness: a private `dbus-daemon` (session-bus style config, unix socket in a temp
+//! dir), the real `leanstreamd` binary with a temp config, the real model, and clients through
+//! the proxies of `leanstream::contract`.
+//!
+//! The daemon binary: `$LEANSTREAMD_BIN` if set, else this harness builds it once per test
+//! binary with `cargo build --profile test -p leanstreamd` (the test profile is optimised; an
+//! unoptimised forward pass would take minutes) and takes it from the target directory next to
+//! the running test executable. `CARGO_BIN_EXE_*` only exists for binaries of the same package,
+//! and the daemon is a binary-only package, so the path is built from the target directory.
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use leanstream::contract::{
+    GenerateParams, LeanStreamError, ManagerProxy, SessionProxy, StreamEvent,
+};
+
+/// The fixture prompt and its 16 greedy ids (exact precision), from
+/// `shared/fixtures/smollm2-reference.json`.
+pub const STORY_PROMPT: &str = "Once upon a time, there was a little";
+pub const STORY_GREEDY: [u32; 16] = [
+    8180, 3365, 20391, 617, 5732, 288, 1238, 281, 260, 2388, 30, 2306, 736, 1129, 685, 288,
+];
+/// The model's name in the daemon (the file stem).
+pub const MODEL: &str = "smollm2";
+
+/// The real test model; fails loudly when missing (CI runs `scripts/fetch-model` first).
+pub fn real_model() -> PathBuf {
+    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "the real test model is missing at {}: run scripts/fetch-model",
+        path.display()
+    );
+    path
+}
+
+/// The `leanstreamd` binary (see the module docs).
+pub fn daemon_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("LEANSTREAMD_BIN") {
+            return PathBuf::from(p);
+        }
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--profile", "test", "-p", "leanstreamd"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status();
+        assert!(
+            matches!(status, Ok(s) if s.success()),
+            "building leanstreamd failed: {status:?}"
+        );
+        // <target>/<profile>/deps/<test exe> -> <target>/<profile>/leanstreamd
+        let exe = std::env::current_exe().unwrap_or_default();
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .map(|d| d.join("leanstreamd"))
+            .unwrap_or_default();
+        assert!(bin.is_file(), "no leanstreamd at {}", bin.display());
+        bin
+    })
+    .clone()
+}
+
+/// A private bus: `dbus-daemon` with a session-style config on a socket in a temp dir.
+#[derive(Debug)]
+pub struct Bus {
+    child: Child,
+    pub address: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Bus {
+    pub fn start() -> Result<Bus> {
+        let dir = tempfile::tempdir()?;
+        let conf = dir.path().join("bus.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <listen>unix:path={}/bus</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+"#,
+                dir.path().display()
+            ),
+        )?;
+        let mut child = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", conf.display()))
+            .args(["--nofork", "--print-address"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting dbus-daemon")?;
+        let stdout = child.stdout.take().context("dbus-daemon stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let address = line.trim().to_string();
+        if address.is_empty() {
+            bail!("dbus-daemon printed no address");
+        }
+        Ok(Bus {
+            child,
+            address,
+            _dir: dir,
+        })
+    }
+
+    /// A new client connection (its own unique name).
+    pub async fn connect(&self) -> Result<zbus::Connection> {
+        Ok(zbus::connection::Builder::address(self.address.as_str())?
+            .build()
+            .await?)
+    }
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Daemon settings a test may change.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub budget: String,
+    pub max_sessions: usize,
+    pub max_context: usize,
+    pub max_tokens: usize,
+    pub max_prompt_bytes: usize,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            budget: "512MiB".into(),
+            max_sessions: 16,
+            max_context: 256,
+            max_tokens: 64,
+            max_prompt_bytes: 4096,
+        }
+    }
+}
+
+/// A running `leanstreamd` on a [`Bus`], with a model directory holding the real model as
+/// `smollm2.gguf` (a hard link, or a copy across file systems) and, outside it, a file an escape symlink points at.
+#[derive(Debug)]
+pub struct Daemon {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    pub async fn start(bus: &Bus, cfg: &DaemonConfig) -> Result<Daemon> {
+        let dir = tempfile::tempdir()?;
+        let models = dir.path().join("models");
+        std::fs::create_dir(&models)?;
+        // A real file: a symlink resolving outside the directory is refused by design.
+        let target = models.join(format!("{MODEL}.gguf"));
+        let source = real_model().canonicalize()?;
+        if std::fs::hard_link(&source, &target).is_err() {
+            std::fs::copy(&source, &target)?;
+        }
+        std::fs::write(dir.path().join("outside.gguf"), b"not a model")?;
+        std::os::unix::fs::symlink(dir.path().join("outside.gguf"), models.join("escape.gguf"))?;
+        let conf = dir.path().join("leanstreamd.toml");
+        std::fs::write(
+            &conf,
+            format!(
+                "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"exact\"\n\
+                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n",
+                models.display(),
+                cfg.budget,
+                cfg.max_sessions,
+                cfg.max_context,
+                cfg.max_tokens,
+                cfg.max_prompt_bytes
+            ),
+        )?;
+        let child = Command::new(daemon_binary())
+            .arg("--bus")
+            .arg(&bus.address)
+            .arg("--config")
+            .arg(&conf)
+            .env("RUST_LOG", "info")
+            .env_remove("JOURNAL_STREAM")
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting leanstreamd")?;
+        let daemon = Daemon { child, dir };
+        // Wait until the name is on the bus.
+        let conn = bus.connect().await?;
+        let dbus = zbus::fdo::DBusProxy::new(&conn).await?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let name = leanstream::contract::BUS_NAME.try_into()?;
+            if dbus.name_has_owner(name).await? {
+                return Ok(daemon);
+            }
+            if Instant::now() > deadline {
+                bail!("leanstreamd did not take its bus name within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) -> Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        Ok(())
+    }
+
+    /// Waits for the process to exit (at most `timeout`).
+    pub fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                bail!("leanstreamd did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// A client: its own connection, the manager proxy.
+pub struct Client {
+    pub conn: zbus::Connection,
+    pub manager: ManagerProxy<'static>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("name", &self.conn.unique_name())
+            .finish()
+    }
+}
+
+impl Client {
+    pub async fn new(bus: &Bus) -> Result<Client> {
+        let conn = bus.connect().await?;
+        let manager = ManagerProxy::new(&conn).await?;
+        Ok(Client { conn, manager })
+    }
+
+    /// Opens a session and returns its proxy.
+    pub async fn open(&self, context: u32) -> Result<SessionProxy<'static>, LeanStreamError> {
+        let path = self
+            .manager
+            .open_session(MODEL, context)
+            .await
+            .map_err(LeanStreamError::from)?;
+        session_proxy(&self.conn, path).await
+    }
+}
+
+/// A session proxy for `path` on `conn`.
+pub async fn session_proxy(
+    conn: &zbus::Connection,
+    path: zbus::zvariant::OwnedObjectPath,
+) -> Result<SessionProxy<'static>, LeanStreamError> {
+    Ok(SessionProxy::builder(conn).path(path)?.build().await?)
+}
+
+/// Greedy settings for `n` tokens.
+pub fn greedy(n: u32) -> GenerateParams {
+    GenerateParams {
+        max_tokens: n,
+        ..GenerateParams::default()
+    }
+}
+
+/// The events of a finished stream, read on a blocking thread.
+#[derive(Debug, Default)]
+pub struct Stream {
+    pub ids: Vec<u32>,
+    pub text: String,
+    /// The last event (`done` or `error`), if any.
+    pub end: Option<StreamEvent>,
+}
+
+/// Reads a token stream to EOF.
+pub async fn read_stream(fd: zbus::zvariant::OwnedFd) -> Result<Stream> {
+    let fd: OwnedFd = fd.into();
+    tokio::task::spawn_blocking(move || {
+        let mut text = String::new();
+        std::fs::File::from(fd).read_to_string(&mut text)?;
+        parse_stream(&text)
+    })
+    .await?
+}
+
+/// Parses the JSON lines of a stream.
+pub fn parse_stream(text: &str) -> Result<Stream> {
+    let mut s = Stream::default();
+    for line in text.lines() {
+        let event: StreamEvent =
+            serde_json::from_str(line).with_context(|| format!("bad stream line {line:?}"))?;
+        match event {
+            StreamEvent::Token { id, text } => {
+                if s.end.is_some() {
+                    bail!("a token after the end of the stream");
+                }
+                s.ids.push(id);
+                s.text.push_str(&text);
+            }
+            end => {
+                if s.end.is_some() {
+                    bail!("two end events");
+                }
+                s.end = Some(end)
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Greedy generation of `n` tokens from `prompt` on a fresh session of `client`.
+pub async fn generate_once(client: &Client, prompt: &str, n: u32) -> Result<Stream> {
+    let session = client.open(128).await?;
+    let fd = session.generate(prompt, &greedy(n)).await?;
+    let out = read_stream(fd).await?;
+    session.close().await?;
+    Ok(out)
+}
+
+/// The error name of a failed call (`ModelNotFound`, …), or a description of a success.
+pub fn error_name<T: std::fmt::Debug>(r: Result<T, zbus::Error>) -> String {
+    match r.map_err(LeanStreamError::from) {
+        Ok(v) => format!("ok: {v:?}"),
+        Err(LeanStreamError::ModelNotFound(_)) => "ModelNotFound".into(),
+        Err(LeanStreamError::InvalidArgument(_)) => "InvalidArgument".into(),
+        Err(LeanStreamError::OverBudget(_)) => "OverBudget".into(),
+        Err(LeanStreamError::Busy(_)) => "Busy".into(),
+        Err(LeanStreamError::AccessDenied(_)) => "AccessDenied".into(),
+        Err(LeanStreamError::Cancelled(_)) => "Cancelled".into(),
+        Err(LeanStreamError::Internal(m)) => format!("Internal: {m}"),
+        Err(LeanStreamError::ZBus(e)) => format!("ZBus: {e}"),
+    }
+}

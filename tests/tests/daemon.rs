@@ -1,0 +1,383 @@
+//! End to end: a private dbus-daemon, the real leanstreamd, the real SmolLM2 model, clients through
+//! the contract's proxies. Each test starts its own bus and daemon.
+
+use std::time::{Duration, Instant};
+
+use leanstream::contract::{GenerateParams, StreamEvent};
+use leanstream_e2e::*;
+
+fn runtime() -> tokio::runtime::Runtime {
+    #[allow(clippy::expect_used)]
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn done_reason(s: &Stream) -> &str {
+    match &s.end {
+        Some(StreamEvent::Done { reason, .. }) => reason,
+        Some(StreamEvent::Error { name, .. }) => name,
+        _ => "(no end event)",
+    }
+}
+
+#[test]
+fn greedy_generation_matches_the_engine_fixture() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let client = Client::new(&bus).await?;
+        assert_eq!(client.manager.backend().await?, "cpu");
+        let models = client.manager.list_models().await?;
+        let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, [MODEL], "the escaping symlink is not listed");
+        let out = generate_once(&client, STORY_PROMPT, 16).await?;
+        assert_eq!(out.ids, STORY_GREEDY);
+        assert_eq!(done_reason(&out), "max_tokens");
+        // The streamed text is the decoding of the ids.
+        let model = leanstream_engine::forward::Model::load(&real_model())?;
+        assert_eq!(out.text, model.tokenizer.decode(&out.ids)?);
+        // Memory returns when the session closes (the model is unloaded with its last session).
+        let report = client.manager.memory().await?;
+        assert_eq!((report.used_bytes, report.sessions.len()), (0, 0));
+        Ok(())
+    })
+}
+
+#[test]
+fn eight_clients_at_once_get_their_single_client_outputs() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let cfg = DaemonConfig {
+            budget: "200MiB".into(),
+            ..DaemonConfig::default()
+        };
+        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let prompts: Vec<String> = (0..8)
+            .map(|i| format!("Story number {i}: once upon a time, a robot named R{i}"))
+            .collect();
+        // Single-client outputs, one after another. Loading the model explicitly keeps it loaded
+        // between sessions.
+        let solo = Client::new(&bus).await?;
+        solo.manager.load_model(MODEL).await?;
+        let mut expected = Vec::new();
+        for p in &prompts {
+            expected.push(generate_once(&solo, p, 12).await?.ids);
+        }
+        // All at once, each on its own connection; sample memory while they run.
+        let mut clients = Vec::new();
+        for _ in 0..8 {
+            clients.push(Client::new(&bus).await?);
+        }
+        let budget = solo.manager.memory().await?.budget_bytes;
+        let tasks: Vec<_> = clients
+            .into_iter()
+            .zip(prompts.clone())
+            .map(|(c, p)| tokio::spawn(async move { generate_once(&c, &p, 12).await }))
+            .collect();
+        let mut peak = 0;
+        while !tasks.iter().all(|t| t.is_finished()) {
+            let r = solo.manager.memory().await?;
+            assert!(r.used_bytes <= budget, "{} > {budget}", r.used_bytes);
+            peak = peak.max(r.used_bytes);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(peak > 0, "memory was sampled while sessions were open");
+        for (i, t) in tasks.into_iter().enumerate() {
+            let out = t.await??;
+            assert_eq!(out.ids, expected[i], "client {i}");
+            assert_eq!(done_reason(&out), "max_tokens");
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn a_vanished_client_loses_its_sessions_and_memory_at_once() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let observer = Client::new(&bus).await?;
+        let other = Client::new(&bus).await?;
+        let other_task = tokio::spawn(async move {
+            let out = generate_once(&other, STORY_PROMPT, 16).await;
+            (other, out)
+        });
+        let doomed = Client::new(&bus).await?;
+        let doomed_name = doomed.conn.unique_name().map(|n| n.to_string());
+        let s1 = doomed.open(128).await?;
+        let _s2 = doomed.open(64).await?;
+        let fd = s1.generate(STORY_PROMPT, &greedy(64)).await?;
+        let before = observer.manager.memory().await?;
+        assert!(
+            before
+                .clients
+                .iter()
+                .any(|c| Some(&c.client) == doomed_name.as_ref() && c.sessions == 2),
+            "{before:?}"
+        );
+        // Drop the connection mid-stream (the fd stays open, so only the disconnect is seen).
+        drop((s1, _s2));
+        drop(doomed);
+        let gone = Instant::now();
+        loop {
+            let r = observer.manager.memory().await?;
+            if !r
+                .clients
+                .iter()
+                .any(|c| Some(&c.client) == doomed_name.as_ref())
+            {
+                break;
+            }
+            assert!(
+                gone.elapsed() < Duration::from_secs(1),
+                "not released: {r:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Its stream ends (EOF) without hanging.
+        let out = tokio::time::timeout(Duration::from_secs(5), read_stream(fd)).await??;
+        assert!(out.ids.len() < 64);
+        let (_other, out) = other_task.await?;
+        assert_eq!(out?.ids, STORY_GREEDY, "the other client is unaffected");
+        Ok(())
+    })
+}
+
+#[test]
+fn another_connection_cannot_use_a_session() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let owner = Client::new(&bus).await?;
+        let intruder = Client::new(&bus).await?;
+        let path = owner.manager.open_session(MODEL, 64).await?;
+        let theirs = session_proxy(&intruder.conn, path.clone()).await?;
+        assert_eq!(
+            error_name(theirs.generate("hi", &greedy(2)).await),
+            "AccessDenied"
+        );
+        assert_eq!(error_name(theirs.stats().await), "AccessDenied");
+        assert_eq!(error_name(theirs.cancel().await), "AccessDenied");
+        assert_eq!(error_name(theirs.close().await), "AccessDenied");
+        let mine = session_proxy(&owner.conn, path).await?;
+        let out = read_stream(mine.generate(STORY_PROMPT, &greedy(4)).await?).await?;
+        assert_eq!(out.ids, STORY_GREEDY[..4]);
+        assert_eq!(mine.stats().await?.generations, 1);
+        Ok(())
+    })
+}
+
+#[test]
+fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let cfg = DaemonConfig {
+            max_sessions: 2,
+            ..DaemonConfig::default()
+        };
+        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let c = Client::new(&bus).await?;
+        let m = &c.manager;
+        let still_works = || async {
+            let out = generate_once(&c, STORY_PROMPT, 2).await?;
+            assert_eq!(out.ids, STORY_GREEDY[..2]);
+            anyhow::Ok(())
+        };
+        for (name, want) in [
+            ("nosuchmodel", "ModelNotFound"),
+            ("../x", "InvalidArgument"),
+            ("/etc/passwd", "InvalidArgument"),
+            ("..", "InvalidArgument"),
+            ("escape", "ModelNotFound"),
+            ("", "InvalidArgument"),
+        ] {
+            assert_eq!(error_name(m.open_session(name, 64).await), want, "{name:?}");
+            assert_eq!(error_name(m.load_model(name).await), want, "{name:?}");
+        }
+        still_works().await?;
+        assert_eq!(
+            error_name(m.open_session(MODEL, 1 << 30).await),
+            "InvalidArgument"
+        );
+
+        let s = c.open(64).await?;
+        let big = "word ".repeat(1000);
+        assert_eq!(
+            error_name(s.generate("", &greedy(2)).await),
+            "InvalidArgument"
+        );
+        assert_eq!(
+            error_name(s.generate(&big, &greedy(2)).await),
+            "InvalidArgument"
+        );
+        // Fits the byte limit but not the 64-token context.
+        let long = "robot ".repeat(200);
+        assert_eq!(
+            error_name(s.generate(&long, &greedy(2)).await),
+            "InvalidArgument"
+        );
+        let absurd: [fn(&mut GenerateParams); 5] = [
+            |p| p.temperature = f64::NAN,
+            |p| p.temperature = 1e6,
+            |p| p.top_p = 7.0,
+            |p| p.top_p = 0.0,
+            |p| p.max_tokens = 1_000_000,
+        ];
+        for f in absurd {
+            let mut p = greedy(2);
+            f(&mut p);
+            assert_eq!(
+                error_name(s.generate("hi", &p).await),
+                "InvalidArgument",
+                "{p:?}"
+            );
+        }
+        // A second generation while one runs is Busy.
+        let fd = s.generate(STORY_PROMPT, &greedy(32)).await?;
+        assert_eq!(error_name(s.generate("hi", &greedy(2)).await), "Busy");
+        s.cancel().await?;
+        let out = read_stream(fd).await?;
+        assert!(
+            matches!(&out.end, Some(StreamEvent::Error { name, .. }) if name == "Cancelled"),
+            "{:?}",
+            out.end
+        );
+        // Session limit: 2 (this one and one more).
+        let s2 = c.open(64).await?;
+        assert_eq!(error_name(m.open_session(MODEL, 64).await), "Busy");
+        s2.close().await?;
+        s.close().await?;
+        still_works().await?;
+        Ok(())
+    })
+}
+
+#[test]
+fn a_budget_too_small_for_a_session_is_over_budget() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        // The model file is 93.8 MiB; a 256-token session needs ~11.5 MiB more, a 16-token one
+        // about 1 MiB.
+        let cfg = DaemonConfig {
+            budget: "96MiB".into(),
+            ..DaemonConfig::default()
+        };
+        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let c = Client::new(&bus).await?;
+        assert_eq!(
+            error_name(c.manager.open_session(MODEL, 256).await),
+            "OverBudget"
+        );
+        let r = c.manager.memory().await?;
+        assert_eq!((r.used_bytes, r.sessions.len()), (0, 0), "nothing changed");
+        // A small context fits.
+        let s = c.open(16).await?;
+        let out = read_stream(s.generate(STORY_PROMPT, &greedy(2)).await?).await?;
+        assert_eq!(out.ids, STORY_GREEDY[..2]);
+        Ok(())
+    })
+}
+
+#[test]
+fn sigterm_cancels_generations_and_exits_zero() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let mut daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let c = Client::new(&bus).await?;
+        let s = c.open(256).await?;
+        let fd = s.generate(STORY_PROMPT, &greedy(64)).await?;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        daemon.terminate()?;
+        let out = tokio::time::timeout(Duration::from_secs(10), read_stream(fd)).await??;
+        assert!(
+            matches!(&out.end, Some(StreamEvent::Error { name, .. }) if name == "Cancelled"),
+            "{:?}",
+            out.end
+        );
+        let status =
+            tokio::task::spawn_blocking(move || daemon.wait(Duration::from_secs(10))).await??;
+        assert!(status.success(), "{status:?}");
+        Ok(())
+    })
+}
+
+/// Sends `Session.Generate` with a prompt whose bytes are not UTF-8, over a raw socket (no
+/// binding can build such a message): the bus refuses it, and the daemon keeps serving.
+#[test]
+fn a_prompt_that_is_not_utf8_is_refused_and_the_daemon_keeps_serving() -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::MetadataExt;
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let c = Client::new(&bus).await?;
+        let path = c.manager.open_session(MODEL, 64).await?;
+
+        let socket = bus
+            .address
+            .strip_prefix("unix:path=")
+            .and_then(|a| a.split(',').next())
+            .ok_or_else(|| anyhow::anyhow!("unexpected bus address {}", bus.address))?
+            .to_string();
+        let placeholder = "PLACEHOLDER";
+        let hello = zbus::Message::method_call("/org/freedesktop/DBus", "Hello")?
+            .destination("org.freedesktop.DBus")?
+            .interface("org.freedesktop.DBus")?
+            .build(&())?;
+        let call = zbus::Message::method_call(path.as_str(), "Generate")?
+            .destination(leanstream::contract::BUS_NAME)?
+            .interface(leanstream::contract::SESSION_INTERFACE)?
+            .build(&(placeholder, greedy(2)))?;
+        let mut bytes = call.data().to_vec();
+        let at = bytes
+            .windows(placeholder.len())
+            .position(|w| w == placeholder.as_bytes())
+            .ok_or_else(|| anyhow::anyhow!("placeholder not found"))?;
+        bytes[at..at + 4].copy_from_slice(&[0xff, 0xfe, 0xc3, 0x28]);
+        let hello = hello.data().to_vec();
+        let (reply, closed) =
+            tokio::task::spawn_blocking(move || -> anyhow::Result<(Vec<u8>, bool)> {
+                let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+                s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                let uid = std::fs::metadata("/proc/self")?.uid();
+                let hex: String = uid
+                    .to_string()
+                    .bytes()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                s.write_all(format!("\0AUTH EXTERNAL {hex}\r\n").as_bytes())?;
+                let mut buf = [0u8; 256];
+                let n = s.read(&mut buf)?;
+                anyhow::ensure!(buf[..n].starts_with(b"OK"), "auth failed");
+                s.write_all(b"BEGIN\r\n")?;
+                s.write_all(&hello)?;
+                s.write_all(&bytes)?;
+                // Read until the bus closes the connection or the timeout.
+                let mut all = Vec::new();
+                let closed = loop {
+                    match s.read(&mut buf) {
+                        Ok(0) => break true,
+                        Ok(n) => all.extend_from_slice(&buf[..n]),
+                        Err(_) => break false,
+                    }
+                };
+                Ok((all, closed))
+            })
+            .await??;
+        // The bus validates every string and drops a connection that sends invalid UTF-8, so
+        // the call never reaches the daemon; failing that, the answer must be an error.
+        let text = String::from_utf8_lossy(&reply);
+        assert!(
+            closed || text.contains("org.freedesktop.DBus.Error") || text.contains(".Error."),
+            "the malformed call was neither refused nor answered with an error: {text:?}"
+        );
+        // The daemon still serves, the same session included.
+        let mine = session_proxy(&c.conn, path).await?;
+        let out = read_stream(mine.generate(STORY_PROMPT, &greedy(2)).await?).await?;
+        assert_eq!(out.ids, STORY_GREEDY[..2]);
+        Ok(())
+    })
+}
