@@ -17,7 +17,7 @@ use zbus::fdo::{RequestNameFlags, RequestNameReply};
 
 use crate::config::Params;
 use crate::engine::Engine;
-use crate::memory::Ledger;
+use crate::memory;
 use crate::service::Manager;
 use crate::state::{Request, State};
 
@@ -110,7 +110,7 @@ pub async fn run(
         .with_context(|| format!("connecting to the {bus} bus"))?;
     let state = State::new(
         Arc::clone(&params),
-        Ledger::new(params.budget_bytes),
+        memory::arbiter(params.budget_bytes),
         conn.clone(),
         tx.clone(),
         engine.tx.clone(),

@@ -1,7 +1,7 @@
 //! `leanstreamd`: the LeanStream D-Bus service (DESIGN §3, §7, §8).
 //!
 //! Layout: [`config`] (raw config → validated params), [`models`] (names resolve only inside the
-//! model directory), [`memory`] (accounting, to be replaced by the arbiter), [`engine`] (the
+//! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the state owner needs from it), [`engine`] (the
 //! scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
 //! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown).
 

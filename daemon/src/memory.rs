@@ -1,12 +1,15 @@
-//! Memory accounting behind a small boundary, shaped like the arbiter's API (`load_model`,
-//! `open_session`, `close_session`, `client_gone`, `unload_model`, `report`) so that
-//! `arbiter::Arbiter` can replace [`Ledger`] without touching the state owner.
-//!
-//! [`Ledger`] is the simple form: models reserve their resident bytes, sessions their KV cache and
+//! What the state owner needs from memory accounting, and its implementation by the
+//! [`Arbiter`] (DESIGN §7): models reserve their resident bytes (and, once the streaming engine
+//! uses them, a neuron cache between a minimum and a wanted size), sessions their KV cache and
 //! scratch; a reservation that does not fit is refused and changes nothing. Invariant:
-//! `used <= budget` after every call.
+//! `used <= budget` after every call (checked by the arbiter's property tests).
+//!
+//! The session limit is enforced by the state owner (it answers `Busy`), so the arbiter is
+//! created without one.
 
-use std::collections::BTreeMap;
+use crate::arbiter::{
+    Arbiter, ArbiterConfig, ArbiterError, Priority, SessionId as ArbiterSessionId,
+};
 
 /// Identifies a session (its number in the object path).
 pub type SessionId = u64;
@@ -52,65 +55,19 @@ pub trait Memory {
     fn report(&self) -> Figures;
 }
 
-#[derive(Debug)]
-struct SessionEntry {
-    model: String,
-    client: String,
-    bytes: u64,
-}
-
-/// Plain reservation accounting (no neuron caches yet: the dense engine has none).
-#[derive(Debug)]
-pub struct Ledger {
-    budget: u64,
-    models: BTreeMap<String, u64>,
-    sessions: BTreeMap<SessionId, SessionEntry>,
-}
-
-impl Ledger {
-    pub fn new(budget: u64) -> Ledger {
-        Ledger {
-            budget,
-            models: BTreeMap::new(),
-            sessions: BTreeMap::new(),
-        }
-    }
-
-    fn used(&self) -> u64 {
-        self.models.values().sum::<u64>() + self.sessions.values().map(|s| s.bytes).sum::<u64>()
-    }
-
-    fn reserve(&self, what: String, needed: u64) -> Result<(), OverBudget> {
-        let free = self.budget.saturating_sub(self.used());
-        if needed <= free {
-            Ok(())
-        } else {
-            Err(OverBudget {
-                what,
-                needed,
-                free,
-                budget: self.budget,
-            })
-        }
-    }
-}
-
-impl Memory for Ledger {
+impl Memory for Arbiter {
     fn load_model(&mut self, name: &str, resident_bytes: u64) -> Result<(), OverBudget> {
-        if self.models.contains_key(name) {
+        if self.is_loaded(name) {
             return Ok(());
         }
-        self.reserve(format!("model {name:?}"), resident_bytes)?;
-        self.models.insert(name.to_string(), resident_bytes);
-        Ok(())
+        // The dense engine has no neuron cache: minimum and wanted cache are 0.
+        Arbiter::load_model(self, name, resident_bytes, 0, 0).map_err(over_budget)
     }
 
     fn unload_model(&mut self, name: &str) {
-        assert!(
-            !self.sessions.values().any(|s| s.model == name),
-            "unload_model({name}) with open sessions: the state owner must close them first"
-        );
-        self.models.remove(name);
+        if let Err(e) = Arbiter::unload_model(self, name) {
+            panic!("unload_model({name}): {e}: the state owner must close sessions first");
+        }
     }
 
     fn open_session(
@@ -120,55 +77,73 @@ impl Memory for Ledger {
         client: &str,
         bytes: u64,
     ) -> Result<(), OverBudget> {
-        assert!(
-            self.models.contains_key(model),
-            "open_session on model {model} that is not accounted"
-        );
-        self.reserve(format!("a session on {model:?}"), bytes)?;
-        self.sessions.insert(
-            id,
-            SessionEntry {
-                model: model.to_string(),
-                client: client.to_string(),
-                bytes,
-            },
-        );
-        Ok(())
+        Arbiter::open_session(
+            self,
+            ArbiterSessionId(id),
+            model,
+            client,
+            bytes,
+            Priority::Normal,
+        )
+        .map_err(over_budget)
     }
 
     fn close_session(&mut self, id: SessionId) {
-        self.sessions.remove(&id);
+        // Closing an unknown session is a no-op: a client may vanish while it closes one.
+        let _ = Arbiter::close_session(self, ArbiterSessionId(id));
     }
 
     fn client_gone(&mut self, client: &str) -> Vec<SessionId> {
-        let ids: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.client == client)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in &ids {
-            self.sessions.remove(id);
-        }
-        ids
+        Arbiter::client_gone(self, client)
+            .into_iter()
+            .map(|id| id.0)
+            .collect()
     }
 
     fn report(&self) -> Figures {
+        let r = Arbiter::report(self);
         Figures {
-            budget: self.budget,
-            used: self.used(),
-            models: self
+            budget: r.budget_bytes,
+            used: r.used_bytes,
+            models: r
                 .models
-                .iter()
-                .map(|(n, b)| (n.clone(), *b, 0))
+                .into_iter()
+                .map(|m| (m.name, m.resident_bytes, m.cache_bytes))
                 .collect(),
-            sessions: self
+            sessions: r
                 .sessions
-                .iter()
-                .map(|(id, s)| (*id, s.model.clone(), s.client.clone(), s.bytes))
+                .into_iter()
+                .map(|s| (s.id.0, s.model, s.client, s.bytes))
                 .collect(),
         }
     }
+}
+
+/// The arbiter refuses only for lack of memory here: names and ids come from the state owner,
+/// which checks them first, and it has no session limit (see the module docs).
+fn over_budget(e: ArbiterError) -> OverBudget {
+    match e {
+        ArbiterError::OverBudget {
+            what,
+            needed,
+            available,
+            budget,
+        } => OverBudget {
+            what,
+            needed,
+            free: available,
+            budget,
+        },
+        other => panic!("memory arbiter refused a request the state owner validated: {other}"),
+    }
+}
+
+/// The daemon's arbiter for a budget of `budget` bytes.
+pub fn arbiter(budget: u64) -> Arbiter {
+    Arbiter::new(ArbiterConfig {
+        budget_bytes: budget,
+        max_sessions: usize::MAX,
+    })
 }
 
 #[cfg(test)]
@@ -178,7 +153,8 @@ mod tests {
 
     #[test]
     fn reservations_that_do_not_fit_change_nothing() {
-        let mut m = Ledger::new(100);
+        let mut a = arbiter(100);
+        let m: &mut dyn Memory = &mut a;
         m.load_model("a", 60).unwrap();
         assert!(m.load_model("b", 50).is_err());
         m.open_session(1, "a", ":1.1", 30).unwrap();

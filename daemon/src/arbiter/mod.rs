@@ -35,7 +35,8 @@
 //! engine's caches; an engine may round a grant down (to whole chunks), never up. When opening a
 //! session the daemon shrinks the caches before it allocates the KV cache.
 
-// The daemon's service wires the arbiter in its own change; until then parts are unused.
+// Cache sizes, priorities other than Normal and the query helpers are used by the streaming
+// engine's cache resizing (issue 4) and by the tests; the dense daemon does not need them yet.
 #![allow(dead_code)]
 
 mod error;
