@@ -1,10 +1,15 @@
-//! `leanstream`: the LeanStream command line. Offline tools (`run`, `perplexity`, `convert`) run the
-//! engine in-process and need the default `offline` feature; the daemon commands talk D-Bus.
+//! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
+//! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
+//! `perplexity`, `convert`) run the engine in-process and need the default `offline` feature.
+//!
+//! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use leanstream::Bus;
 
+mod daemon_cmds;
 #[cfg(feature = "offline")]
 mod offline;
 
@@ -15,12 +20,21 @@ mod offline;
     about = "LeanStream on-device LLM inference"
 )]
 struct Cli {
+    /// Bus of the daemon: `system`, `session`, or a D-Bus address (`unix:path=...`).
+    #[arg(long, global = true, default_value = "system", value_parser = parse_bus)]
+    bus: Bus,
     #[command(subcommand)]
     command: Command,
 }
 
+fn parse_bus(s: &str) -> Result<Bus, String> {
+    s.parse().map_err(|e: leanstream::Error| e.to_string())
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
+    #[command(flatten)]
+    Daemon(daemon_cmds::DaemonCommand),
     /// Generate text in-process (no daemon).
     #[cfg(feature = "offline")]
     Run(offline::run::RunArgs),
@@ -34,7 +48,8 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Daemon(command) => return daemon_cmds::run(&cli.bus, command),
         #[cfg(feature = "offline")]
         Command::Run(args) => offline::run::run(args),
         #[cfg(feature = "offline")]
