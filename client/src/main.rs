@@ -48,15 +48,19 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result: anyhow::Result<()> = match cli.command {
-        Command::Daemon(command) => return daemon_cmds::run(&cli.bus, command),
+    match cli.command {
+        Command::Daemon(command) => daemon_cmds::run(&cli.bus, command),
         #[cfg(feature = "offline")]
-        Command::Run(args) => offline::run::run(args),
+        Command::Run(args) => offline_exit(offline::run::run(args)),
         #[cfg(feature = "offline")]
-        Command::Perplexity(args) => offline::perplexity::run(args),
+        Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]
-        Command::Convert(args) => offline::convert::run(args),
-    };
+        Command::Convert(args) => offline_exit(offline::convert::run(args)),
+    }
+}
+
+#[cfg(feature = "offline")]
+fn offline_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -223,7 +223,7 @@ mod tests {
 
     #[tokio::test]
     async fn partial_lines_wait_for_their_newline() {
-        let (mut tx, rx) = tokio::io::duplex(64);
+        let (mut tx, rx) = tokio::io::duplex(4096);
         let mut s = TokenStream::from_reader(rx);
         // Split inside the JSON and inside the two-byte UTF-8 character 'é' (0xC3 0xA9).
         let line = "{\"token\":{\"id\":1,\"text\":\"é\"}}\n".as_bytes();

@@ -194,9 +194,9 @@ MODEL     RESIDENT     CACHE      TOTAL
 smollm2  100.0 MiB  60.0 MiB  160.0 MiB
 
 sessions
-SESSION     MODEL    CLIENT     MEMORY
-session/1   smollm2  :1.42    30.0 MiB
-session/12  smollm2  :1.7     10.0 MiB
+SESSION     MODEL    CLIENT    MEMORY
+session/1   smollm2  :1.42   30.0 MiB
+session/12  smollm2  :1.7    10.0 MiB
 
 clients
 CLIENT  SESSIONS    MEMORY
