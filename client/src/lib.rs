@@ -15,6 +15,10 @@
 //!
 //! Apps without an async runtime use [`blocking::Client`].
 
+// `Error` carries `zbus::Error` (as zbus's own results do) so that nothing about a failure is
+// lost; it is large, but errors are the cold path and every call is a D-Bus round trip anyway.
+#![allow(clippy::result_large_err)]
+
 pub mod blocking;
 mod bus;
 mod client;

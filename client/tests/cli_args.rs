@@ -14,7 +14,10 @@ fn usage_error(args: &[&str], needle: &str) {
     let out = leanstream(args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected {needle:?} in {err}"
+    );
 }
 
 #[test]
@@ -35,7 +38,9 @@ fn help_lists_the_daemon_commands_and_the_bus_flag() {
     let out = leanstream(&["--help"]);
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
-    for word in ["models", "load", "unload", "generate", "chat", "status", "--bus"] {
+    for word in [
+        "models", "load", "unload", "generate", "chat", "status", "--bus",
+    ] {
         assert!(help.contains(word), "{word} missing from:\n{help}");
     }
 }
