@@ -23,7 +23,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .thread_name("leanstream-client")
         .enable_all()
         .build()
-        .map_err(Error::StreamIo)
+        .map_err(Error::Runtime)
 }
 
 impl Client {

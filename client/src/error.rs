@@ -33,6 +33,9 @@ pub enum Error {
     /// mismatch between client and daemon versions).
     #[error("D-Bus call failed: {0}")]
     DBus(zbus::Error),
+    /// The blocking client could not start its runtime thread.
+    #[error("cannot start the blocking client's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
     /// Reading the token-stream fd failed.
     #[error("reading the token stream: {0}")]
     StreamIo(#[source] std::io::Error),
