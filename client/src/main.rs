@@ -1,10 +1,15 @@
-//! `leanstream`: the LeanStream command line. Offline tools (`run`, `perplexity`, `convert`) run the
-//! engine in-process and need the default `offline` feature; the daemon commands talk D-Bus.
+//! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
+//! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
+//! `perplexity`, `convert`) run the engine in-process and need the default `offline` feature.
+//!
+//! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use leanstream::Bus;
 
+mod daemon_cmds;
 #[cfg(feature = "offline")]
 mod offline;
 
@@ -15,12 +20,21 @@ mod offline;
     about = "LeanStream on-device LLM inference"
 )]
 struct Cli {
+    /// Bus of the daemon: `system`, `session`, or a D-Bus address (`unix:path=...`).
+    #[arg(long, global = true, default_value = "system", value_parser = parse_bus)]
+    bus: Bus,
     #[command(subcommand)]
     command: Command,
 }
 
+fn parse_bus(s: &str) -> Result<Bus, String> {
+    s.parse().map_err(|e: leanstream::Error| e.to_string())
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
+    #[command(flatten)]
+    Daemon(daemon_cmds::DaemonCommand),
     /// Generate text in-process (no daemon).
     #[cfg(feature = "offline")]
     Run(offline::run::RunArgs),
@@ -34,14 +48,19 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
+    match cli.command {
+        Command::Daemon(command) => daemon_cmds::run(&cli.bus, command),
         #[cfg(feature = "offline")]
-        Command::Run(args) => offline::run::run(args),
+        Command::Run(args) => offline_exit(offline::run::run(args)),
         #[cfg(feature = "offline")]
-        Command::Perplexity(args) => offline::perplexity::run(args),
+        Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]
-        Command::Convert(args) => offline::convert::run(args),
-    };
+        Command::Convert(args) => offline_exit(offline::convert::run(args)),
+    }
+}
+
+#[cfg(feature = "offline")]
+fn offline_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

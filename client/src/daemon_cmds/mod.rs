@@ -1,0 +1,157 @@
+//! The commands that talk to `leanstreamd` over D-Bus (`models`, `load`, `unload`, `generate`,
+//! `chat`, `status`), and how their errors are reported.
+
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use leanstream::contract::ERROR_PREFIX;
+use leanstream::{Bus, Client, Error};
+use zbus::DBusError;
+
+mod generate;
+mod status;
+mod table;
+
+/// Exit status when the daemon cannot be reached (no bus, or no daemon on it).
+pub const EXIT_UNREACHABLE: u8 = 3;
+/// Exit status for every other failure (the daemon refused, a stream broke).
+pub const EXIT_FAILURE: u8 = 1;
+
+#[derive(Subcommand, Debug)]
+pub enum DaemonCommand {
+    /// List the models in the daemon's model directory.
+    Models {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load a model into the daemon.
+    Load { name: String },
+    /// Unload a model (fails while it has sessions).
+    Unload { name: String },
+    /// Generate text through the daemon, streaming it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Chat interactively: reads lines from stdin; `/exit` or EOF ends.
+    Chat(generate::ChatArgs),
+    /// Show the memory budget by model, session and client.
+    Status {
+        /// Print the memory report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs one daemon command on `bus` and turns its outcome into an exit status, printing errors.
+pub fn run(bus: &Bus, command: DaemonCommand) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("leanstream: error: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    match runtime.block_on(dispatch(bus, command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprint!("{}", describe(&e, bus));
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+async fn dispatch(bus: &Bus, command: DaemonCommand) -> anyhow::Result<()> {
+    let client = Client::connect(bus).await?;
+    match command {
+        DaemonCommand::Models { json } => status::models(&client, json).await,
+        DaemonCommand::Load { name } => Ok(client.load(&name).await?),
+        DaemonCommand::Unload { name } => Ok(client.unload(&name).await?),
+        DaemonCommand::Generate(args) => generate::generate(&client, args).await,
+        DaemonCommand::Chat(args) => generate::chat(&client, args).await,
+        DaemonCommand::Status { json } => status::status(&client, json).await,
+    }
+}
+
+fn client_error(e: &anyhow::Error) -> Option<&Error> {
+    e.downcast_ref::<Error>()
+}
+
+/// The exit status for an error.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    match client_error(e) {
+        Some(c) if c.is_unreachable() => EXIT_UNREACHABLE,
+        _ => EXIT_FAILURE,
+    }
+}
+
+/// The error as the user reads it: plain meaning, the daemon's message, the error name, and a
+/// hint when the daemon is unreachable. Ends with a newline.
+pub fn describe(e: &anyhow::Error, bus: &Bus) -> String {
+    let mut out = format!("leanstream: error: {e:#}\n");
+    match client_error(e) {
+        Some(Error::Daemon(named)) => {
+            let name = named.name();
+            let short = name
+                .as_str()
+                .strip_prefix(ERROR_PREFIX)
+                .map(|s| s.trim_start_matches('.'))
+                .unwrap_or(name.as_str());
+            out.push_str(&format!("  (D-Bus error {short})\n"));
+        }
+        Some(c) if c.is_unreachable() => {
+            let other = match bus {
+                Bus::System => "--bus session or --bus ADDRESS",
+                Bus::Session => "--bus system or --bus ADDRESS",
+                Bus::Address(_) => "--bus system or --bus session",
+            };
+            out.push_str(&format!(
+                "hint: is leanstreamd running on the {bus} bus? Start it (systemctl start \
+                 leanstreamd) or reach another bus with {other}.\n"
+            ));
+        }
+        _ => {}
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use leanstream::contract::LeanStreamError;
+
+    use super::*;
+
+    #[test]
+    fn daemon_errors_name_meaning_message_and_name() {
+        let e = anyhow::Error::from(Error::Daemon(LeanStreamError::OverBudget(
+            "needs 64 MiB, 10 MiB free".into(),
+        )));
+        assert_eq!(
+            describe(&e, &Bus::System),
+            "leanstream: error: the daemon's memory budget cannot fit this: needs 64 MiB, 10 MiB free\n  (D-Bus error OverBudget)\n"
+        );
+        assert_eq!(exit_code(&e), EXIT_FAILURE);
+    }
+
+    #[test]
+    fn unreachable_daemon_gets_a_hint_and_its_own_code() {
+        let e = anyhow::Error::from(Error::NotRunning {
+            message: "The name is not activatable".into(),
+        });
+        let text = describe(&e, &Bus::Session);
+        assert!(
+            text.contains("is leanstreamd running on the session bus?"),
+            "{text}"
+        );
+        assert!(text.contains("--bus system"), "{text}");
+        assert_eq!(exit_code(&e), EXIT_UNREACHABLE);
+    }
+
+    #[test]
+    fn other_errors_are_plain_failures() {
+        let e = anyhow::anyhow!("several models to choose from (a, b); pass --model NAME");
+        assert_eq!(exit_code(&e), EXIT_FAILURE);
+        assert!(!describe(&e, &Bus::System).contains("hint"));
+    }
+}

@@ -1,0 +1,262 @@
+//! `leanstream status` and `leanstream models`: what the daemon holds, as tables or JSON.
+
+use leanstream::Client;
+use leanstream::contract::{MemoryReport, ModelInfo};
+
+use super::table::{Align, bytes, render};
+
+/// The memory report as text: the budget line, then one table each for models, sessions and
+/// clients (a table with no rows says `(none)`).
+pub fn format_status(report: &MemoryReport) -> String {
+    let percent = if report.budget_bytes == 0 {
+        0.0
+    } else {
+        100.0 * report.used_bytes as f64 / report.budget_bytes as f64
+    };
+    let free = report.budget_bytes.saturating_sub(report.used_bytes);
+    let mut out = format!(
+        "budget {}, used {} ({percent:.1} %), free {}\n",
+        bytes(report.budget_bytes),
+        bytes(report.used_bytes),
+        bytes(free),
+    );
+    let mut section = |title: &str, headers: &[(&str, Align)], rows: Vec<Vec<String>>| {
+        out.push('\n');
+        out.push_str(title);
+        out.push('\n');
+        if rows.is_empty() {
+            out.push_str("(none)\n");
+        } else {
+            out.push_str(&render(headers, &rows));
+        }
+    };
+    section(
+        "models",
+        &[
+            ("MODEL", Align::Left),
+            ("RESIDENT", Align::Right),
+            ("CACHE", Align::Right),
+            ("TOTAL", Align::Right),
+        ],
+        report
+            .models
+            .iter()
+            .map(|m| {
+                vec![
+                    m.name.clone(),
+                    bytes(m.resident_bytes),
+                    bytes(m.cache_bytes),
+                    bytes(m.resident_bytes.saturating_add(m.cache_bytes)),
+                ]
+            })
+            .collect(),
+    );
+    section(
+        "sessions",
+        &[
+            ("SESSION", Align::Left),
+            ("MODEL", Align::Left),
+            ("CLIENT", Align::Left),
+            ("MEMORY", Align::Right),
+        ],
+        report
+            .sessions
+            .iter()
+            .map(|s| {
+                let path = s.path.as_str();
+                // Show `session/3` rather than the full object path.
+                let short = path
+                    .rsplit_once('/')
+                    .map(|(_, n)| format!("session/{n}"))
+                    .unwrap_or_else(|| path.to_owned());
+                vec![short, s.model.clone(), s.client.clone(), bytes(s.bytes)]
+            })
+            .collect(),
+    );
+    section(
+        "clients",
+        &[
+            ("CLIENT", Align::Left),
+            ("SESSIONS", Align::Right),
+            ("MEMORY", Align::Right),
+        ],
+        report
+            .clients
+            .iter()
+            .map(|c| vec![c.client.clone(), c.sessions.to_string(), bytes(c.bytes)])
+            .collect(),
+    );
+    out
+}
+
+/// The model list as a table.
+pub fn format_models(models: &[ModelInfo]) -> String {
+    if models.is_empty() {
+        return "(no models in the daemon's model directory)\n".to_owned();
+    }
+    render(
+        &[
+            ("NAME", Align::Left),
+            ("FORMAT", Align::Left),
+            ("SIZE", Align::Right),
+            ("LOADED", Align::Left),
+        ],
+        &models
+            .iter()
+            .map(|m| {
+                vec![
+                    m.name.clone(),
+                    m.format.clone(),
+                    bytes(m.file_bytes),
+                    if m.loaded { "yes" } else { "no" }.to_owned(),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    )
+}
+
+pub async fn status(client: &Client, json: bool) -> anyhow::Result<()> {
+    let report = client.memory().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", format_status(&report));
+    }
+    Ok(())
+}
+
+pub async fn models(client: &Client, json: bool) -> anyhow::Result<()> {
+    let models = client.list_models().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&models)?);
+    } else {
+        print!("{}", format_models(&models));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use leanstream::contract::{ClientMemory, ModelMemory, SessionMemory};
+    use zbus::zvariant::OwnedObjectPath;
+
+    use super::*;
+
+    fn report() -> MemoryReport {
+        let path = |n: u32| {
+            OwnedObjectPath::try_from(format!("/io/github/leanstream/LeanStream1/session/{n}"))
+                .expect("valid path")
+        };
+        MemoryReport {
+            budget_bytes: 512 << 20,
+            used_bytes: 200 << 20,
+            models: vec![ModelMemory {
+                name: "smollm2".into(),
+                resident_bytes: 100 << 20,
+                cache_bytes: 60 << 20,
+            }],
+            sessions: vec![
+                SessionMemory {
+                    path: path(1),
+                    model: "smollm2".into(),
+                    client: ":1.42".into(),
+                    bytes: 30 << 20,
+                },
+                SessionMemory {
+                    path: path(12),
+                    model: "smollm2".into(),
+                    client: ":1.7".into(),
+                    bytes: 10 << 20,
+                },
+            ],
+            clients: vec![
+                ClientMemory {
+                    client: ":1.42".into(),
+                    sessions: 1,
+                    bytes: 30 << 20,
+                },
+                ClientMemory {
+                    client: ":1.7".into(),
+                    sessions: 1,
+                    bytes: 10 << 20,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn status_tables_are_aligned() {
+        let expected = "\
+budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB
+
+models
+MODEL     RESIDENT     CACHE      TOTAL
+smollm2  100.0 MiB  60.0 MiB  160.0 MiB
+
+sessions
+SESSION     MODEL    CLIENT    MEMORY
+session/1   smollm2  :1.42   30.0 MiB
+session/12  smollm2  :1.7    10.0 MiB
+
+clients
+CLIENT  SESSIONS    MEMORY
+:1.42          1  30.0 MiB
+:1.7           1  10.0 MiB
+";
+        assert_eq!(format_status(&report()), expected);
+    }
+
+    #[test]
+    fn empty_report_says_none() {
+        let empty = MemoryReport {
+            budget_bytes: 0,
+            used_bytes: 0,
+            models: vec![],
+            sessions: vec![],
+            clients: vec![],
+        };
+        let text = format_status(&empty);
+        assert!(
+            text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("(none)").count(), 3, "{text}");
+    }
+
+    #[test]
+    fn status_json_has_the_report_fields() {
+        let value = serde_json::to_value(report()).expect("serialisable");
+        assert_eq!(value["budget_bytes"], 512u64 << 20);
+        assert_eq!(
+            value["sessions"][0]["path"],
+            "/io/github/leanstream/LeanStream1/session/1"
+        );
+        assert_eq!(value["clients"][1]["client"], ":1.7");
+    }
+
+    #[test]
+    fn models_table() {
+        let models = vec![
+            ModelInfo {
+                name: "smollm2".into(),
+                format: "lsm".into(),
+                file_bytes: 90 << 20,
+                loaded: true,
+            },
+            ModelInfo {
+                name: "SmolLM2-135M-Instruct.Q4_1".into(),
+                format: "gguf".into(),
+                file_bytes: 95_000_000,
+                loaded: false,
+            },
+        ];
+        assert_eq!(
+            format_models(&models),
+            "\
+NAME                        FORMAT      SIZE  LOADED
+smollm2                     lsm     90.0 MiB  yes
+SmolLM2-135M-Instruct.Q4_1  gguf    90.6 MiB  no
+"
+        );
+    }
+}
