@@ -352,12 +352,19 @@ fn cli_without_a_daemon_exits_3_with_a_hint() {
     assert!(text(&out.stderr).contains("cannot connect to the unix:path="));
 }
 
+/// Whether python3 with jeepney is here. Under CI (where `scripts/test` installs it) a missing
+/// one is a failure, not a skip.
 fn python_with_jeepney() -> bool {
-    Command::new("python3")
+    let found = Command::new("python3")
         .args(["-c", "import jeepney"])
         .output()
         .map(|o| o.status.success())
-        .unwrap_or(false)
+        .unwrap_or(false);
+    assert!(
+        found || std::env::var_os("CI").is_none(),
+        "python3 with jeepney is missing under CI"
+    );
+    found
 }
 
 #[test]
