@@ -9,18 +9,7 @@ use leanstream_engine::quant::DType;
 use serde_json::Value;
 
 fn real_gguf() -> PathBuf {
-    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        path.is_file(),
-        "the real test model is missing at {}: run scripts/fetch-model",
-        path.display()
-    );
-    path
+    leanstream_engine::testing::real_model()
 }
 
 fn leanstream(args: &[&str]) -> Output {

@@ -18,6 +18,7 @@ pub mod model;
 pub mod quant;
 pub mod reference;
 pub mod sample;
+pub mod testing;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

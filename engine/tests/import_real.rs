@@ -14,18 +14,7 @@ use leanstream_engine::quant::DType;
 use leanstream_engine::tokenizer::Tokenizer;
 
 fn model_path() -> PathBuf {
-    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        path.is_file(),
-        "{} is missing: run scripts/fetch-model (or set LEANSTREAM_TEST_MODEL)",
-        path.display()
-    );
-    path
+    leanstream_engine::testing::real_model()
 }
 
 #[test]

@@ -24,11 +24,7 @@ const GREEDY_IDS: [u32; 16] = [
 const GREEDY_TEXT: &str = " girl named Emma who loved to play in the sun. She would often go to";
 
 fn model_path() -> PathBuf {
-    match std::env::var_os("LEANSTREAM_TEST_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    }
+    leanstream_engine::testing::real_model()
 }
 
 fn import() -> ImportedModel {

@@ -6,18 +6,7 @@ use std::sync::OnceLock;
 
 /// The real test model. CI fetches it with `scripts/fetch-model`; a missing file fails loudly.
 pub fn real_gguf() -> PathBuf {
-    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        path.is_file(),
-        "the real test model is missing at {}: run scripts/fetch-model",
-        path.display()
-    );
-    path
+    leanstream_engine::testing::real_model()
 }
 
 /// The real model converted to `.lsm` once per test binary (default options).

@@ -1,0 +1,22 @@
+//! Support shared by the test suites of every crate in the workspace.
+
+use std::path::PathBuf;
+
+/// Path of the real test model (SmolLM2-135M-Instruct, Q4_1 GGUF): `$LEANSTREAM_TEST_MODEL`, or
+/// `models/SmolLM2-135M-Instruct.Q4_1.gguf` at the workspace root, where `scripts/fetch-model`
+/// puts it. Tests need the real model and must fail, not skip, without it: this panics with the
+/// fix when the file is missing.
+pub fn real_model() -> PathBuf {
+    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "the real test model is missing at {}: run scripts/fetch-model (or set LEANSTREAM_TEST_MODEL)",
+        path.display()
+    );
+    path
+}
