@@ -8,10 +8,11 @@
 //! - RSS after warm-up: the maximum over the last third of the samples exceeds the maximum over
 //!   the middle third by less than [`RSS_GROWTH_BOUND`]. The first third is warm-up (allocator
 //!   arenas, thread stacks, caches reaching their working size). 8 MiB is above the allocator's
-//!   jitter seen between thirds, yet below a single leaked KV cache of a 128-token session of
-//!   SmolLM2-135M (30 layers × K and V × 128 positions × 3 heads × 64 dims × 4 bytes ≈ 5.6 MiB)
-//!   times the dozens of sessions a third of the run opens, so a per-session leak of a cache, or
-//!   of anything a tenth its size, crosses it.
+//!   jitter seen between thirds (1.4 MiB in a 45 s run), yet well below what leaking per session
+//!   adds over the dozen or more sessions of each third (39 generations in 45 s on 2 busy cores):
+//!   a leaked KV cache of a 128-token session of SmolLM2-135M is about 5.8 MiB (30 layers × K and
+//!   V × 128 positions × 3 heads × 64 dims × 4 bytes), and any leak above ~0.7 MiB a session
+//!   crosses the bound.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
