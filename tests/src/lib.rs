@@ -236,6 +236,24 @@ impl Daemon {
         Ok(())
     }
 
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The daemon's resident set size (`VmRSS` of `/proc/<pid>/status`), in bytes.
+    pub fn rss_bytes(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .context("no VmRSS line")?
+            .trim()
+            .parse::<u64>()?;
+        Ok(kib * 1024)
+    }
+
     /// Waits for the process to exit (at most `timeout`).
     pub fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
         let deadline = Instant::now() + timeout;
@@ -313,6 +331,8 @@ pub fn greedy(n: u32) -> GenerateParams {
 pub struct Stream {
     pub ids: Vec<u32>,
     pub text: String,
+    /// The text of each token event, in order.
+    pub tokens: Vec<String>,
     /// The last event (`done` or `error`), if any.
     pub end: Option<StreamEvent>,
 }
@@ -324,6 +344,29 @@ pub async fn read_stream(fd: zbus::zvariant::OwnedFd) -> Result<Stream> {
         let mut text = String::new();
         std::fs::File::from(fd).read_to_string(&mut text)?;
         parse_stream(&text)
+    })
+    .await?
+}
+
+/// Reads a token stream to EOF line by line, noting when each token event arrived (for
+/// latency measurements: time to first token, decode rate).
+pub async fn read_stream_timed(fd: zbus::zvariant::OwnedFd) -> Result<(Stream, Vec<Instant>)> {
+    let fd: OwnedFd = fd.into();
+    tokio::task::spawn_blocking(move || {
+        let mut reader = BufReader::new(std::fs::File::from(fd));
+        let mut text = String::new();
+        let mut arrivals = Vec::new();
+        let mut line = String::new();
+        while reader.read_line(&mut line)? > 0 {
+            let now = Instant::now();
+            if let Ok(StreamEvent::Token { .. }) = serde_json::from_str(line.trim_end()) {
+                arrivals.push(now);
+            }
+            text.push_str(&line);
+            line.clear();
+        }
+        let stream = parse_stream(&text)?;
+        Ok((stream, arrivals))
     })
     .await?
 }
@@ -341,6 +384,7 @@ pub fn parse_stream(text: &str) -> Result<Stream> {
                 }
                 s.ids.push(id);
                 s.text.push_str(&text);
+                s.tokens.push(text);
             }
             end => {
                 if s.end.is_some() {
