@@ -31,18 +31,7 @@ pub const MODEL: &str = "smollm2";
 
 /// The real test model; fails loudly when missing (CI runs `scripts/fetch-model` first).
 pub fn real_model() -> PathBuf {
-    let path = std::env::var_os("LEANSTREAM_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    assert!(
-        path.is_file(),
-        "the real test model is missing at {}: run scripts/fetch-model",
-        path.display()
-    );
-    path
+    leanstream_engine::testing::real_model()
 }
 
 /// The `leanstreamd` binary (see the module docs).
