@@ -22,6 +22,18 @@ pub enum DType {
     Q4_1,
 }
 
+impl DType {
+    /// Every supported type, plain floats first.
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ];
+}
+
 /// Elements per quantisation block.
 pub const QK: usize = 32;
 
@@ -204,14 +216,7 @@ mod tests {
         let x: Vec<f32> = (0..64)
             .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.1)
             .collect();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for dtype in DType::ALL {
             let mut bytes = Vec::new();
             quantize_row(dtype, &x, &mut bytes);
             assert_eq!(bytes.len(), dtype.row_bytes(x.len()).unwrap());

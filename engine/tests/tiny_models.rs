@@ -51,14 +51,7 @@ fn to_lsm(src: &Path, dir: &Path, chunk_neurons: usize, down: DType) -> PathBuf 
 fn engine_matches_reference_for_every_tensor_type_and_architecture() {
     let dir = tempfile::tempdir().expect("tempdir");
     for arch in [TinyArch::Llama, TinyArch::Qwen2] {
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for dtype in DType::ALL {
             let path = dir.path().join(format!("{arch:?}-{dtype}.gguf"));
             TinyLlama::with_arch(11, arch)
                 .write_gguf(&path, dtype)

@@ -37,14 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .add("general.alignment", Value::U32(16));
     let row: Vec<f32> = (0..32).map(|i| i as f32 / 8.0 - 2.0).collect();
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::Bf16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for dtype in DType::ALL {
         all.add_f32_tensor(&format!("t.{dtype}"), dtype, &[1, 32], &row);
     }
     std::fs::write(dir.join("all_types_v3.gguf"), all.to_bytes())?;

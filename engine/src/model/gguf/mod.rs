@@ -290,14 +290,7 @@ mod tests {
 
     #[test]
     fn tiny_llama_maps_to_its_config_and_weights_build() {
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for dtype in DType::ALL {
             let tiny = TinyLlama::new(7);
             let m = parse(&tiny.gguf_writer(dtype)).unwrap();
             assert_eq!(m.config, tiny.config, "{dtype}");
