@@ -324,12 +324,13 @@ impl Scheduler {
                 reply,
             } => {
                 let result = self.start(id, input, spec, out);
-                let accepted = result.is_ok();
-                let _ = reply.send(result);
-                if !accepted {
+                // A refusal is reported to the state owner before the caller hears of it, so
+                // the session is no longer busy by the time the caller can try again.
+                if result.is_err() {
                     let position = self.position(id);
                     self.finished(id, false, 0, position);
                 }
+                let _ = reply.send(result);
             }
             EngineCmd::Shutdown => return true,
         }

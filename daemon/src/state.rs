@@ -209,7 +209,12 @@ impl<M: Memory> State<M> {
         mut events: mpsc::UnboundedReceiver<EngineEvent>,
     ) {
         loop {
+            // Engine events first: the engine reports a generation's end before the caller can
+            // see it (EOF or an error reply), so a caller's next request never finds the session
+            // still marked busy.
             tokio::select! {
+                biased;
+                Some(ev) = events.recv() => self.engine_event(ev),
                 req = rx.recv() => match req {
                     Some(Request::Shutdown { reply }) => {
                         self.shutdown().await;
@@ -222,7 +227,6 @@ impl<M: Memory> State<M> {
                         return;
                     }
                 },
-                Some(ev) = events.recv() => self.engine_event(ev),
             }
         }
     }
