@@ -35,6 +35,29 @@ pub enum Error {
     /// A caller-supplied argument is out of range (e.g. a prompt longer than the context).
     #[error("invalid argument `{arg}`: {reason}")]
     InvalidArgument { arg: &'static str, reason: String },
+    /// A chunk read that still failed after its retries.
+    #[error("read of {len} bytes at offset {offset} failed after {attempts} attempt(s): {source}")]
+    Read {
+        offset: u64,
+        len: usize,
+        attempts: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something does not fit in the memory it was given; `needed` is the least that would do.
+    #[error("{what} needs at least {needed} bytes but the budget is {budget} bytes")]
+    OverBudget {
+        what: String,
+        needed: u64,
+        budget: u64,
+    },
+    /// An OS resource other than a file could not be had (e.g. spawning a thread).
+    #[error("{what}: {source}")]
+    Os {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Result alias for the engine.

@@ -10,10 +10,12 @@
 //! - [`sample`]: token sampling.
 
 pub mod backend;
+pub mod cache;
 pub mod chat;
 pub mod error;
 pub mod forward;
 pub mod generate;
+pub mod io;
 pub mod model;
 pub mod quant;
 pub mod reference;

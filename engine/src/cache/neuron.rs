@@ -1,0 +1,431 @@
+//! [`NeuronCache`]: slots, their states, and the eviction index.
+
+use std::ptr::NonNull;
+
+use super::heap::{EvictionHeap, retention_key};
+use super::{CacheStats, ChunkId, Evict, Lookup, SlotId};
+use crate::io::{AlignedBuf, PAGE, ReadTarget};
+use crate::{Error, Result};
+
+/// Marks "no slot" in `slot_of` and "no chunk" in a free slot.
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    Loading,
+    Ready,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    state: State,
+    /// The chunk held (meaningless when Free).
+    chunk: ChunkId,
+    retention: f32,
+    pins: u32,
+    /// Token epoch in which the read completed.
+    loaded_epoch: u64,
+    /// Accessed since it was reserved.
+    used: bool,
+}
+
+const FREE_SLOT: Slot = Slot {
+    state: State::Free,
+    chunk: NONE,
+    retention: 0.0,
+    pins: 0,
+    loaded_epoch: 0,
+    used: false,
+};
+
+/// The neuron cache. Invariants (checked by `check_invariants` in tests):
+/// - `slot_of[c] == s` ⇔ `slots[s]` is Loading or Ready with `chunk == c` (a chunk is in at most
+///   one slot, a slot holds at most one chunk);
+/// - the free list holds exactly the Free slots; the eviction heap exactly the Ready, unpinned
+///   slots, keyed by retention;
+/// - `base` points at the arena; slot `s` is bytes `s*slot_bytes..(s+1)*slot_bytes`.
+#[derive(Debug)]
+pub struct NeuronCache {
+    /// Owns the memory `base` points into; never touched through this field after construction,
+    /// so that slices of Ready slots and I/O writes into Loading slots never alias a whole-arena
+    /// borrow.
+    _arena: AlignedBuf,
+    base: NonNull<u8>,
+    slot_bytes: usize,
+    slot_of: Vec<u32>,
+    slots: Vec<Slot>,
+    free: Vec<SlotId>,
+    evictable: EvictionHeap,
+    epoch: u64,
+    stats: CacheStats,
+}
+
+// SAFETY: `base` points into `_arena`, which the cache owns; the only other users of the memory are
+// I/O threads writing Loading slots through ReadTargets, which the submitter's safety contract
+// covers, so moving the cache to another thread is as sound as moving a Vec.
+unsafe impl Send for NeuronCache {}
+// SAFETY: &self methods only read Ready slots (`data`), which no one writes.
+unsafe impl Sync for NeuronCache {}
+
+impl NeuronCache {
+    /// A cache for chunks `0..total_chunks` of `slot_bytes` each (a positive multiple of [`PAGE`]),
+    /// with as many slots as `budget_bytes` holds (never more than `total_chunks`).
+    ///
+    /// Fails with [`Error::OverBudget`], naming the bytes needed, when the budget holds fewer than
+    /// `min_slots` slots (or all chunks, if fewer); with [`Error::InvalidArgument`] on a bad slot
+    /// size or more than `u32::MAX - 1` chunks.
+    pub fn new(
+        total_chunks: usize,
+        slot_bytes: usize,
+        budget_bytes: u64,
+        min_slots: usize,
+    ) -> Result<Self> {
+        if slot_bytes == 0 || !slot_bytes.is_multiple_of(PAGE) {
+            return Err(Error::InvalidArgument {
+                arg: "slot_bytes",
+                reason: format!("{slot_bytes} is not a positive multiple of {PAGE}"),
+            });
+        }
+        if total_chunks >= NONE as usize {
+            return Err(Error::InvalidArgument {
+                arg: "total_chunks",
+                reason: format!("{total_chunks} does not fit chunk ids (u32)"),
+            });
+        }
+        let fits = usize::try_from(budget_bytes / slot_bytes as u64).unwrap_or(usize::MAX);
+        let need = min_slots.min(total_chunks);
+        if fits < need {
+            return Err(Error::OverBudget {
+                what: format!("a neuron cache of {need} slots of {slot_bytes} bytes"),
+                needed: need as u64 * slot_bytes as u64,
+                budget: budget_bytes,
+            });
+        }
+        let n = fits.min(total_chunks);
+        let mut arena = AlignedBuf::zeroed(n * slot_bytes).map_err(|source| Error::Os {
+            what: format!("allocating a neuron cache of {n} slots of {slot_bytes} bytes"),
+            source,
+        })?;
+        let base = NonNull::new(arena.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        Ok(NeuronCache {
+            _arena: arena,
+            base,
+            slot_bytes,
+            slot_of: vec![NONE; total_chunks],
+            slots: vec![FREE_SLOT; n],
+            free: (0..n as u32).rev().collect(),
+            evictable: EvictionHeap::new(n),
+            epoch: 0,
+            stats: CacheStats {
+                capacity_slots: n as u64,
+                slot_bytes: slot_bytes as u64,
+                ..CacheStats::default()
+            },
+        })
+    }
+
+    /// Number of slots.
+    pub fn capacity_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Bytes of the arena (slots × slot bytes), resident or not: what the cache costs the budget.
+    pub fn resident_bytes(&self) -> u64 {
+        self.slots.len() as u64 * self.slot_bytes as u64
+    }
+
+    /// Number of chunks the cache was made for.
+    pub fn total_chunks(&self) -> usize {
+        self.slot_of.len()
+    }
+
+    /// Chunks Loading or Ready.
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Whether no chunk is Loading or Ready.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Starts a new token: chunks loaded from now on are misses for this token and hits later.
+    pub fn begin_token(&mut self) {
+        self.epoch += 1;
+    }
+
+    /// Where chunk `c` is, without counting anything. Panics if `c >= total_chunks`.
+    pub fn lookup(&self, c: ChunkId) -> Lookup {
+        match self.slot_of[c as usize] {
+            NONE => Lookup::Absent,
+            s if self.slots[s as usize].state == State::Ready => Lookup::Ready(s),
+            s => Lookup::Loading(s),
+        }
+    }
+
+    /// The compute is about to use chunk `c` (call once per chunk per token): marks its slot used
+    /// and counts a hit if it is Ready and was loaded before the current token, a miss otherwise.
+    pub fn access(&mut self, c: ChunkId) -> Lookup {
+        let found = self.lookup(c);
+        let hit = match found {
+            Lookup::Absent => false,
+            Lookup::Loading(s) | Lookup::Ready(s) => {
+                let slot = &mut self.slots[s as usize];
+                slot.used = true;
+                slot.state == State::Ready && slot.loaded_epoch < self.epoch
+            }
+        };
+        if hit {
+            self.stats.hits += 1;
+        } else {
+            self.stats.misses += 1;
+        }
+        found
+    }
+
+    /// Gets a slot to read chunk `c` into and marks it Loading for `c` with `retention`: a free
+    /// slot, else the unpinned Ready slot with the lowest retention (ties: lowest slot id), subject
+    /// to `evict`. Never takes a Loading or pinned slot.
+    ///
+    /// Returns `None` if `c` is already cached (Loading or Ready), if every slot is Loading or
+    /// pinned, or if `evict` forbids the only candidate. The target covers the whole slot; it must
+    /// be handed back by [`NeuronCache::complete`] or [`NeuronCache::abandon`].
+    pub fn reserve(
+        &mut self,
+        c: ChunkId,
+        retention: f32,
+        evict: Evict,
+    ) -> Option<(SlotId, ReadTarget)> {
+        if self.slot_of[c as usize] != NONE {
+            return None;
+        }
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                let (victim, key) = self.evictable.min()?;
+                if evict == Evict::NotHigher && key > retention_key(retention) {
+                    return None;
+                }
+                self.drop_ready(victim);
+                self.stats.evictions += 1;
+                victim
+            }
+        };
+        self.slots[s as usize] = Slot {
+            state: State::Loading,
+            chunk: c,
+            retention,
+            ..FREE_SLOT
+        };
+        self.slot_of[c as usize] = s;
+        // SAFETY: s < capacity_slots, so the slot lies inside the arena `base` points at. The slot
+        // is Loading: `data` refuses it and no other ReadTarget for it exists until it is freed.
+        let target = unsafe {
+            let ptr = self.base.as_ptr().add(s as usize * self.slot_bytes);
+            ReadTarget::new(ptr, self.slot_bytes)
+        };
+        Some((s, target))
+    }
+
+    /// The read into Loading slot `slot` finished: Ready on success, Free on failure (the chunk is
+    /// then absent again and its pins are dropped). Panics if the slot is not Loading, a broken
+    /// invariant of the caller's bookkeeping.
+    pub fn complete(&mut self, slot: SlotId, ok: bool) {
+        let st = &mut self.slots[slot as usize];
+        assert_eq!(
+            st.state,
+            State::Loading,
+            "complete() on slot {slot}, which is not Loading"
+        );
+        if ok {
+            st.state = State::Ready;
+            st.loaded_epoch = self.epoch;
+            self.stats.bytes_loaded += self.slot_bytes as u64;
+            if st.pins == 0 {
+                self.evictable.set(slot, retention_key(st.retention));
+            }
+        } else {
+            self.release(slot);
+        }
+    }
+
+    /// The read into Loading slot `slot` was cancelled before it started: the slot is Free again.
+    /// Panics if the slot is not Loading.
+    pub fn abandon(&mut self, slot: SlotId) {
+        let state = self.slots[slot as usize].state;
+        assert_eq!(
+            state,
+            State::Loading,
+            "abandon() on slot {slot}, which is not Loading"
+        );
+        self.release(slot);
+    }
+
+    /// The bytes of Ready slot `slot`. Panics if it is not Ready (a broken invariant: only Ready
+    /// slots have defined contents).
+    pub fn data(&self, slot: SlotId) -> &[u8] {
+        let state = self.slots[slot as usize].state;
+        assert_eq!(
+            state,
+            State::Ready,
+            "data() on slot {slot}, which is not Ready"
+        );
+        // SAFETY: the slot is inside the arena (index checked above), Ready, so no read is writing
+        // it, and it stays Ready while &self is borrowed (changes need &mut self).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.base.as_ptr().add(slot as usize * self.slot_bytes),
+                self.slot_bytes,
+            )
+        }
+    }
+
+    /// The bytes of chunk `c` if it is Ready.
+    pub fn data_of(&self, c: ChunkId) -> Option<&[u8]> {
+        match self.lookup(c) {
+            Lookup::Ready(s) => Some(self.data(s)),
+            _ => None,
+        }
+    }
+
+    /// Pins a cached (Loading or Ready) chunk: it is never evicted until unpinned as many times.
+    /// Returns false if `c` is not cached.
+    pub fn pin(&mut self, c: ChunkId) -> bool {
+        let s = self.slot_of[c as usize];
+        if s == NONE {
+            return false;
+        }
+        self.slots[s as usize].pins += 1;
+        self.evictable.remove(s);
+        true
+    }
+
+    /// Undoes one [`NeuronCache::pin`]. Returns false if `c` is not cached or not pinned.
+    pub fn unpin(&mut self, c: ChunkId) -> bool {
+        let s = self.slot_of[c as usize];
+        if s == NONE || self.slots[s as usize].pins == 0 {
+            return false;
+        }
+        let st = &mut self.slots[s as usize];
+        st.pins -= 1;
+        if st.pins == 0 && st.state == State::Ready {
+            self.evictable.set(s, retention_key(st.retention));
+        }
+        true
+    }
+
+    /// Sets the retention priority of a cached chunk (higher is kept longer). Returns false if `c`
+    /// is not cached.
+    pub fn set_retention(&mut self, c: ChunkId, retention: f32) -> bool {
+        let s = self.slot_of[c as usize];
+        if s == NONE {
+            return false;
+        }
+        self.slots[s as usize].retention = retention;
+        if self.evictable.contains(s) {
+            self.evictable.set(s, retention_key(retention));
+        }
+        true
+    }
+
+    /// The retention priority of a cached chunk.
+    pub fn retention(&self, c: ChunkId) -> Option<f32> {
+        match self.slot_of[c as usize] {
+            NONE => None,
+            s => Some(self.slots[s as usize].retention),
+        }
+    }
+
+    /// Evicts chunk `c` if it is Ready and unpinned (counted as an eviction). Returns whether it was.
+    pub fn evict(&mut self, c: ChunkId) -> bool {
+        let s = self.slot_of[c as usize];
+        if s == NONE || !self.evictable.contains(s) {
+            return false;
+        }
+        self.drop_ready(s);
+        self.stats.evictions += 1;
+        self.free.push(s);
+        true
+    }
+
+    /// Drops every Ready chunk, pinned or not (never-accessed ones count as unused bytes). Loading
+    /// slots are kept: their reads are in flight and still own the memory.
+    pub fn clear(&mut self) {
+        for s in 0..self.slots.len() as u32 {
+            if self.slots[s as usize].state == State::Ready {
+                self.drop_ready(s);
+                self.free.push(s);
+            }
+        }
+    }
+
+    /// Counters since construction or the last reset.
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    /// Zeroes the counters (capacity fields stay).
+    pub fn reset_stats(&mut self) {
+        self.stats = CacheStats {
+            capacity_slots: self.stats.capacity_slots,
+            slot_bytes: self.stats.slot_bytes,
+            ..CacheStats::default()
+        };
+    }
+
+    /// Empties a Ready slot (not pushed to the free list: the caller reuses or frees it).
+    fn drop_ready(&mut self, s: SlotId) {
+        let st = self.slots[s as usize];
+        debug_assert_eq!(st.state, State::Ready);
+        if !st.used {
+            self.stats.bytes_unused += self.slot_bytes as u64;
+        }
+        self.evictable.remove(s);
+        self.slot_of[st.chunk as usize] = NONE;
+        self.slots[s as usize] = FREE_SLOT;
+    }
+
+    /// Loading → Free.
+    fn release(&mut self, s: SlotId) {
+        let chunk = self.slots[s as usize].chunk;
+        self.slot_of[chunk as usize] = NONE;
+        self.slots[s as usize] = FREE_SLOT;
+        self.free.push(s);
+    }
+
+    /// Checks every structural invariant; panics naming the broken one.
+    #[cfg(test)]
+    pub(super) fn check_invariants(&self) {
+        let mut free = 0;
+        for (s, st) in self.slots.iter().enumerate() {
+            let s = s as u32;
+            match st.state {
+                State::Free => free += 1,
+                _ => assert_eq!(self.slot_of[st.chunk as usize], s, "slot {s} ↔ chunk"),
+            }
+            let evictable = st.state == State::Ready && st.pins == 0;
+            assert_eq!(
+                self.evictable.contains(s),
+                evictable,
+                "heap membership of slot {s}"
+            );
+        }
+        assert_eq!(self.free.len(), free, "free list size");
+        assert!(
+            self.free
+                .iter()
+                .all(|&s| self.slots[s as usize].state == State::Free)
+        );
+        for (c, &s) in self.slot_of.iter().enumerate() {
+            if s != NONE {
+                assert_eq!(self.slots[s as usize].chunk as usize, c, "chunk {c} ↔ slot");
+            }
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! The I/O engine interface the pipeline drives: requests go in by priority, completions come out.
+//! [`super::ThreadPoolIo`] implements it.
+
+use std::time::Duration;
+
+use super::queue::ReadRequest;
+use crate::Result;
+
+/// The outcome of one request. Exactly one is delivered per submitted request, unless it was
+/// cancelled (`cancel()` returned true) or the engine was dropped first.
+#[derive(Debug)]
+pub struct Completion {
+    pub id: u64,
+    /// `Err(Error::Read { offset, .. })` after the retries failed; the target holds unspecified
+    /// bytes then.
+    pub result: Result<()>,
+    /// Bytes read into the target (its length on success, 0 on failure).
+    pub bytes: usize,
+}
+
+/// Counters since construction or the last `reset_stats`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// Requests submitted.
+    pub requests: u64,
+    /// `read_at` calls made (each is one `preadv`; interrupted ones included).
+    pub syscalls: u64,
+    /// Requests that rode along in another request's read (a merged read of n requests adds n-1).
+    pub coalesced: u64,
+    /// Bytes delivered into targets by successful requests.
+    pub bytes: u64,
+    /// Reads issued again after a failed one (see [`ThreadPoolIo`](super::ThreadPoolIo) for the policy).
+    pub retries: u64,
+    /// Requests completed with an error.
+    pub failures: u64,
+    /// Wall time workers spent inside reads, in nanoseconds, summed over workers.
+    pub busy_ns: u64,
+}
+
+/// An engine that reads file ranges into caller memory, highest priority first.
+pub trait IoEngine: Send + Sync {
+    /// Queues a read. Its completion is delivered by `wait`/`try_drain`.
+    ///
+    /// # Safety
+    /// `req.target`'s memory must stay valid and must not be accessed until this request's
+    /// completion has been delivered or `cancel(req.id)` returned true. Ids must be unique among
+    /// requests not yet delivered.
+    unsafe fn submit(&self, req: ReadRequest);
+    /// Changes a queued request's priority. True if it was still queued (not started).
+    fn reprioritize(&self, id: u64, priority: f32) -> bool;
+    /// Removes a queued request. True if it had not started; then no completion is ever delivered
+    /// for it and its target is free again.
+    fn cancel(&self, id: u64) -> bool;
+    /// Blocks until at least one completion is available or `timeout` passes, then appends all
+    /// available completions to `out`. Returns how many were appended; returns 0 at once when
+    /// nothing is pending.
+    fn wait(&self, out: &mut Vec<Completion>, timeout: Option<Duration>) -> usize;
+    /// Appends the completions available now; never blocks. Returns how many.
+    fn try_drain(&self, out: &mut Vec<Completion>) -> usize;
+    /// Requests submitted and neither delivered nor cancelled (queued, in flight, or completed
+    /// but not yet drained).
+    fn pending(&self) -> usize;
+    /// Counters since construction or the last reset.
+    fn stats(&self) -> IoStats;
+    /// Zeroes the counters.
+    fn reset_stats(&self);
+}
+
+/// Options of [`ThreadPoolIo`](super::ThreadPoolIo).
+#[derive(Clone, Debug)]
+pub struct IoOptions {
+    /// Largest merged read, in bytes (default 1 MiB). A single larger request is still read whole.
+    pub max_coalesce_bytes: usize,
+    /// Extra attempts for a failed request (default 3): up to `1 + retries` reads per request.
+    pub retries: u32,
+    /// Queue entries to preallocate (default 4096); the queue grows past it if needed.
+    pub queue_capacity: usize,
+}
+
+impl Default for IoOptions {
+    fn default() -> Self {
+        IoOptions {
+            max_coalesce_bytes: 1 << 20,
+            retries: 3,
+            queue_capacity: 4096,
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! [`ThreadPoolIo`]: the [`IoEngine`] on plain OS threads (never async runtime workers) doing
+//! coalesced, retried, vectored preads.
+//!
+//! Locking: one `Mutex` + `Condvar` around the request queue (workers wait on it for work) and one
+//! around the completion list (the engine thread waits on it). Neither lock is held during a read.
+
+use std::io::IoSliceMut;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::engine::{Completion, IoEngine, IoOptions, IoStats};
+use super::queue::{ReadRequest, RequestQueue};
+use super::read::{ReadAt, ReadCounters, read_exact_at};
+use crate::{Error, Result};
+
+#[derive(Debug, Default)]
+struct AtomicStats {
+    requests: AtomicU64,
+    syscalls: AtomicU64,
+    coalesced: AtomicU64,
+    bytes: AtomicU64,
+    retries: AtomicU64,
+    failures: AtomicU64,
+    busy_ns: AtomicU64,
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
+struct QueueState {
+    queue: RequestQueue,
+    shutdown: bool,
+}
+
+#[derive(Debug)]
+struct Shared {
+    reader: Arc<dyn ReadAt>,
+    opts: IoOptions,
+    queue: Mutex<QueueState>,
+    work: Condvar,
+    done: Mutex<Vec<Completion>>,
+    done_cv: Condvar,
+    pending: AtomicUsize,
+    stats: AtomicStats,
+}
+
+/// Locks, ignoring poisoning: no code path panics while holding these locks with state half
+/// updated, so the data is consistent even if another thread panicked elsewhere.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// [`IoEngine`] on `threads` OS threads named `leanstream-io-N`.
+///
+/// Coalescing: a worker pops the top request and every queued request exactly adjacent to it in
+/// the file (repeatedly, both ways) up to `max_coalesce_bytes`, and reads them with one vectored
+/// read; each request still gets its own [`Completion`].
+///
+/// Retries: a merged read that fails is not retried as a whole; its requests are re-read one by
+/// one, so that one bad range cannot fail its neighbours. A single request is read up to
+/// `1 + retries` times; then it completes with [`Error::Read`] naming its offset, and the pool keeps
+/// serving others. `EINTR` and short reads are not failures (the read loop continues them).
+///
+/// Drop stops the workers, waits for reads in flight (so nothing is written into a target after
+/// drop returns) and drops queued requests without completing them.
+#[derive(Debug)]
+pub struct ThreadPoolIo {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl ThreadPoolIo {
+    /// Starts `threads` (≥ 1) workers reading from `reader`.
+    pub fn new(reader: Arc<dyn ReadAt>, threads: usize, opts: IoOptions) -> Result<Self> {
+        if threads == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "threads",
+                reason: "the I/O pool needs at least one thread".into(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            reader,
+            queue: Mutex::new(QueueState {
+                queue: RequestQueue::with_capacity(opts.queue_capacity),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            done: Mutex::new(Vec::with_capacity(opts.queue_capacity)),
+            done_cv: Condvar::new(),
+            pending: AtomicUsize::new(0),
+            stats: AtomicStats::default(),
+            opts,
+        });
+        let mut pool = ThreadPoolIo {
+            shared,
+            workers: Vec::with_capacity(threads),
+        };
+        for n in 0..threads {
+            let shared = Arc::clone(&pool.shared);
+            let name = format!("leanstream-io-{n}");
+            let handle = std::thread::Builder::new()
+                .name(name.clone())
+                .spawn(move || shared.worker())
+                .map_err(|source| Error::Os {
+                    what: format!("spawning I/O thread {name}"),
+                    source,
+                })?; // dropping `pool` stops the workers already started
+            pool.workers.push(handle);
+        }
+        Ok(pool)
+    }
+
+    fn deliver(&self, c: Completion) {
+        let mut done = lock(&self.shared.done);
+        done.push(c);
+        self.shared.done_cv.notify_all();
+    }
+
+    fn take_all(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>) -> usize {
+        let n = done.len();
+        out.append(done);
+        self.shared.pending.fetch_sub(n, Ordering::AcqRel);
+        n
+    }
+}
+
+impl IoEngine for ThreadPoolIo {
+    unsafe fn submit(&self, req: ReadRequest) {
+        let sh = &self.shared;
+        sh.pending.fetch_add(1, Ordering::AcqRel);
+        add(&sh.stats.requests, 1);
+        if req.target.is_empty() {
+            return self.deliver(Completion {
+                id: req.id,
+                result: Ok(()),
+                bytes: 0,
+            });
+        }
+        let pushed = lock(&sh.queue).queue.push(req);
+        match pushed {
+            Ok(()) => sh.work.notify_one(),
+            Err(req) => {
+                add(&sh.stats.failures, 1);
+                self.deliver(Completion {
+                    id: req.id,
+                    result: Err(Error::InvalidArgument {
+                        arg: "id",
+                        reason: format!("request id {} is already queued", req.id),
+                    }),
+                    bytes: 0,
+                });
+            }
+        }
+    }
+
+    fn reprioritize(&self, id: u64, priority: f32) -> bool {
+        lock(&self.shared.queue).queue.reprioritize(id, priority)
+    }
+
+    fn cancel(&self, id: u64) -> bool {
+        let removed = lock(&self.shared.queue).queue.remove(id).is_some();
+        if removed {
+            // Under the done lock, so that a waiter that saw pending > 0 is woken to recheck.
+            let _done = lock(&self.shared.done);
+            self.shared.pending.fetch_sub(1, Ordering::AcqRel);
+            self.shared.done_cv.notify_all();
+        }
+        removed
+    }
+
+    fn wait(&self, out: &mut Vec<Completion>, timeout: Option<Duration>) -> usize {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut done = lock(&self.shared.done);
+        while done.is_empty() {
+            if self.shared.pending.load(Ordering::Acquire) == 0 {
+                return 0;
+            }
+            done = match deadline {
+                None => self
+                    .shared
+                    .done_cv
+                    .wait(done)
+                    .unwrap_or_else(PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return 0;
+                    }
+                    self.shared
+                        .done_cv
+                        .wait_timeout(done, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
+        }
+        self.take_all(&mut done, out)
+    }
+
+    fn try_drain(&self, out: &mut Vec<Completion>) -> usize {
+        let mut done = lock(&self.shared.done);
+        self.take_all(&mut done, out)
+    }
+
+    fn pending(&self) -> usize {
+        self.shared.pending.load(Ordering::Acquire)
+    }
+
+    fn stats(&self) -> IoStats {
+        let s = &self.shared.stats;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        IoStats {
+            requests: get(&s.requests),
+            syscalls: get(&s.syscalls),
+            coalesced: get(&s.coalesced),
+            bytes: get(&s.bytes),
+            retries: get(&s.retries),
+            failures: get(&s.failures),
+            busy_ns: get(&s.busy_ns),
+        }
+    }
+
+    fn reset_stats(&self) {
+        let s = &self.shared.stats;
+        for c in [
+            &s.requests,
+            &s.syscalls,
+            &s.coalesced,
+            &s.bytes,
+            &s.retries,
+            &s.failures,
+            &s.busy_ns,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ThreadPoolIo {
+    fn drop(&mut self) {
+        {
+            let mut st = lock(&self.shared.queue);
+            st.shutdown = true;
+            let dropped = st.queue.len();
+            st.queue.clear();
+            self.shared.pending.fetch_sub(dropped, Ordering::AcqRel);
+        }
+        self.shared.work.notify_all();
+        for w in self.workers.drain(..) {
+            // A worker that panicked has nothing in flight any more; nothing to report here.
+            let _ = w.join();
+        }
+    }
+}
+
+/// Reuses a vector's allocation for slices of another lifetime. The vector is emptied first, so
+/// the closure never runs and the in-place `collect` keeps the buffer.
+#[expect(
+    clippy::unnecessary_filter_map,
+    reason = "filter_map is what changes the item type (its lifetime) while collecting in place"
+)]
+fn recycle<'a, 'b>(mut v: Vec<IoSliceMut<'a>>) -> Vec<IoSliceMut<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
+}
+
+impl Shared {
+    fn worker(&self) {
+        let mut batch: Vec<ReadRequest> = Vec::with_capacity(64);
+        let mut iov: Vec<IoSliceMut<'static>> = Vec::with_capacity(64);
+        let mut results: Vec<Completion> = Vec::with_capacity(64);
+        loop {
+            {
+                let mut st = lock(&self.queue);
+                while !st.shutdown && st.queue.is_empty() {
+                    st = self.work.wait(st).unwrap_or_else(PoisonError::into_inner);
+                }
+                if st.shutdown {
+                    return;
+                }
+                st.queue
+                    .pop_merged(self.opts.max_coalesce_bytes, &mut batch);
+            }
+            self.run_batch(&batch, &mut iov, &mut results);
+            batch.clear();
+            let mut done = lock(&self.done);
+            done.append(&mut results);
+            self.done_cv.notify_all();
+        }
+    }
+
+    /// Reads a contiguous, offset-sorted batch and appends one completion per request.
+    fn run_batch(
+        &self,
+        batch: &[ReadRequest],
+        iov: &mut Vec<IoSliceMut<'static>>,
+        out: &mut Vec<Completion>,
+    ) {
+        if batch.len() > 1 {
+            add(&self.stats.coalesced, batch.len() as u64 - 1);
+            if self.read(batch, iov).is_ok() {
+                for r in batch {
+                    self.succeed(r, out);
+                }
+                return;
+            }
+            add(&self.stats.retries, batch.len() as u64);
+        }
+        for r in batch {
+            let mut attempt = 1;
+            loop {
+                match self.read(std::slice::from_ref(r), iov) {
+                    Ok(()) => break self.succeed(r, out),
+                    Err(_) if attempt <= self.opts.retries => {
+                        attempt += 1;
+                        add(&self.stats.retries, 1);
+                    }
+                    Err(source) => {
+                        add(&self.stats.failures, 1);
+                        break out.push(Completion {
+                            id: r.id,
+                            result: Err(Error::Read {
+                                offset: r.offset,
+                                len: r.target.len(),
+                                attempts: attempt,
+                                source,
+                            }),
+                            bytes: 0,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn succeed(&self, r: &ReadRequest, out: &mut Vec<Completion>) {
+        add(&self.stats.bytes, r.target.len() as u64);
+        out.push(Completion {
+            id: r.id,
+            result: Ok(()),
+            bytes: r.target.len(),
+        });
+    }
+
+    /// One exact read of the contiguous `reqs` into their targets.
+    fn read(
+        &self,
+        reqs: &[ReadRequest],
+        spare: &mut Vec<IoSliceMut<'static>>,
+    ) -> std::io::Result<()> {
+        let mut bufs: Vec<IoSliceMut<'_>> = recycle(std::mem::take(spare));
+        for r in reqs {
+            // SAFETY: the submitter guaranteed (IoEngine::submit) that the target is valid for
+            // writes of its length and untouched by anyone else until the completion, which is
+            // delivered only after this slice is gone; the request was popped from the queue, so
+            // only this worker holds it.
+            let s = unsafe { std::slice::from_raw_parts_mut(r.target.as_ptr(), r.target.len()) };
+            bufs.push(IoSliceMut::new(s));
+        }
+        let start = Instant::now();
+        let mut counters = ReadCounters::default();
+        let res = read_exact_at(&*self.reader, &mut bufs, reqs[0].offset, &mut counters);
+        add(&self.stats.busy_ns, start.elapsed().as_nanos() as u64);
+        add(&self.stats.syscalls, counters.syscalls);
+        *spare = recycle(bufs);
+        res
+    }
+}
+
+#[cfg(test)]
+mod fault_tests;
+#[cfg(test)]
+mod tests;
