@@ -44,6 +44,10 @@ enum Command {
     /// Convert a GGUF file or safetensors directory into a LeanStream `.lsm` file.
     #[cfg(feature = "offline")]
     Convert(offline::convert::ConvertArgs),
+    /// Compare the pipeline modes (dense, mmap, on-demand, prefetch, leanstream) at several
+    /// neuron-cache budgets.
+    #[cfg(feature = "offline")]
+    Bench(offline::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +60,8 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]
         Command::Convert(args) => offline_exit(offline::convert::run(args)),
+        #[cfg(feature = "offline")]
+        Command::Bench(args) => offline_exit(offline::bench::run(args)),
     }
 }
 

@@ -66,6 +66,18 @@ struct Scratch {
     rope: Vec<(f32, f32)>, // (MAX_BATCH, head_dim / 2) (sin, cos) of each token's position
 }
 
+/// Computes the FFN of one layer for one token, in place of the dense FFN (see
+/// [`Session::forward_with`]).
+pub trait FfnExecutor {
+    /// Called before layer `l`'s attention with the residual stream `x` (`d_model` values): the
+    /// earliest view of the layer's input, for speculation about this and later layers.
+    fn begin_layer(&mut self, _l: usize, _x: &[f32]) {}
+
+    /// Writes the FFN output of layer `l` for the normalised input `xn` into `out` (both
+    /// `d_model` values); the caller adds it to the residual stream.
+    fn ffn(&mut self, l: usize, layer: &LayerWeights, xn: &[f32], out: &mut [f32]) -> Result<()>;
+}
+
 /// One conversation's state: its KV cache and position.
 #[derive(Debug)]
 pub struct Session {
@@ -162,9 +174,45 @@ impl Session {
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
     /// not fit in the context.
     pub fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        self.check_tokens(tokens)?;
         let model = Arc::clone(&self.model);
-        let w = &model.weights;
-        let c = &w.config;
+        for batch in tokens.chunks(MAX_BATCH) {
+            self.embed(batch);
+            for (l, layer) in model.weights.layers.iter().enumerate() {
+                self.attention(l, layer, batch.len());
+                self.ffn(layer, batch.len());
+            }
+            self.pos += batch.len();
+        }
+        Ok(self.head((tokens.len() - 1) % MAX_BATCH))
+    }
+
+    /// Runs one token like [`Session::forward`], with each layer's FFN computed by `exec` instead
+    /// of the dense FFN: the sparse and streaming pipelines plug in here, and calibration uses it to
+    /// observe FFN inputs. Attention, the KV cache and the output head are the same as the dense
+    /// path's.
+    pub fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
+        self.check_tokens(&[token])?;
+        let model = Arc::clone(&self.model);
+        let d = model.weights.config.d_model;
+        let eps = model.weights.config.rms_eps;
+        self.embed(&[token]);
+        for (l, layer) in model.weights.layers.iter().enumerate() {
+            exec.begin_layer(l, &self.s.x[..d]);
+            self.attention(l, layer, 1);
+            let s = &mut self.s;
+            cpu::rmsnorm(&mut s.xn[..d], &s.x[..d], &layer.ffn_norm, eps);
+            exec.ffn(l, layer, &s.xn[..d], &mut s.proj[..d])?;
+            cpu::add_inplace(&mut s.x[..d], &s.proj[..d]);
+        }
+        self.pos += 1;
+        Ok(self.head(0))
+    }
+
+    /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
+    /// not fit in the context.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let c = &self.model.weights.config;
         if tokens.is_empty() {
             return Err(Error::InvalidArgument {
                 arg: "tokens",
@@ -183,28 +231,33 @@ impl Session {
                 reason: format!("id {token} is outside the vocabulary ({})", c.vocab_size),
             });
         }
-        for batch in tokens.chunks(MAX_BATCH) {
-            let s = &mut self.s;
-            let d = c.d_model;
-            let half = s.inv_freq.len();
-            for (t, &token) in batch.iter().enumerate() {
-                w.token_embd
-                    .dequantize_row(token as usize, &mut s.x[t * d..(t + 1) * d]);
-                let pos = (self.pos + t) as f32;
-                let table = &mut s.rope[t * half..(t + 1) * half];
-                for (sc, f) in table.iter_mut().zip(&s.inv_freq) {
-                    *sc = (pos * f).sin_cos();
-                }
+        Ok(())
+    }
+
+    /// Writes the embeddings of `batch` (at most [`MAX_BATCH`] tokens, at positions from
+    /// `self.pos`) into the residual stream and their RoPE angles into the table.
+    fn embed(&mut self, batch: &[u32]) {
+        let w = &self.model.weights;
+        let s = &mut self.s;
+        let d = w.config.d_model;
+        let half = s.inv_freq.len();
+        for (t, &token) in batch.iter().enumerate() {
+            w.token_embd
+                .dequantize_row(token as usize, &mut s.x[t * d..(t + 1) * d]);
+            let pos = (self.pos + t) as f32;
+            let table = &mut s.rope[t * half..(t + 1) * half];
+            for (sc, f) in table.iter_mut().zip(&s.inv_freq) {
+                *sc = (pos * f).sin_cos();
             }
-            for (l, layer) in w.layers.iter().enumerate() {
-                self.attention(l, layer, batch.len());
-                self.ffn(layer, batch.len());
-            }
-            self.pos += batch.len();
         }
+    }
+
+    /// The output head over token `last` of the batch just run: final norm, then logits.
+    fn head(&mut self, last: usize) -> &mut [f32] {
+        let w = &self.model.weights;
+        let c = &w.config;
         let s = &mut self.s;
         let d = c.d_model;
-        let last = (tokens.len() - 1) % MAX_BATCH;
         cpu::rmsnorm(
             &mut s.xn[..d],
             &s.x[last * d..(last + 1) * d],
@@ -215,7 +268,7 @@ impl Session {
             .kernels
             .prepare(&s.xn[..d], self.precision, &mut s.acts);
         self.kernels.matvecs(x, [(&w.output, &mut s.logits[..])]);
-        Ok(&mut self.s.logits)
+        &mut self.s.logits
     }
 
     /// The attention block for the `n` tokens of a batch, at positions `self.pos..self.pos + n`.

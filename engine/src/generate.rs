@@ -135,15 +135,19 @@ pub fn score(session: &mut Session, tokens: &[u32]) -> Result<(f64, usize)> {
     let mut nll = 0.0f64;
     let mut n = 0;
     for pair in tokens.windows(2) {
-        let logits = session.forward(pair[0])?;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let log_sum: f64 = logits
-            .iter()
-            .map(|&l| f64::from(l - max).exp())
-            .sum::<f64>()
-            .ln();
-        nll += log_sum - f64::from(logits[pair[1] as usize] - max);
+        nll += token_nll(session.forward(pair[0])?, pair[1]);
         n += 1;
     }
     Ok((nll, n))
+}
+
+/// Negative log-likelihood of `target` under `logits` (a log-softmax, computed stably).
+pub fn token_nll(logits: &[f32], target: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum: f64 = logits
+        .iter()
+        .map(|&l| f64::from(l - max).exp())
+        .sum::<f64>()
+        .ln();
+    log_sum - f64::from(logits[target as usize] - max)
 }

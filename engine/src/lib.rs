@@ -7,9 +7,13 @@
 //! - [`tokenizer`], [`chat`]: text ↔ ids and chat templates;
 //! - [`reference`]: the plain dense f32 forward pass, the oracle for every faster path;
 //! - [`forward`]: the engine's dense forward pass over quantised weights;
-//! - [`sample`]: token sampling.
+//! - [`sample`]: token sampling;
+//! - [`io`], [`cache`], [`predict`], [`pipeline`]: the sparse streaming engine (direct reads, the
+//!   neuron cache, activation predictors, and the five pipeline modes);
+//! - [`bench`]: the mode comparison behind `leanstream bench`.
 
 pub mod backend;
+pub mod bench;
 pub mod cache;
 pub mod chat;
 pub mod error;
@@ -17,6 +21,7 @@ pub mod forward;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod pipeline;
 pub mod quant;
 pub mod reference;
 pub mod sample;

@@ -1,5 +1,6 @@
 //! Offline subcommands: the engine runs inside this process.
 
+pub mod bench;
 pub mod convert;
 pub mod perplexity;
 pub mod run;

@@ -1,0 +1,146 @@
+//! `leanstream bench`: every pipeline mode over one `.lsm` file at several neuron-cache budgets,
+//! printed as a table, optionally written as JSON rows and an SVG plot.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use leanstream_engine::bench::{self, BenchConfig, report};
+use leanstream_engine::pipeline::Mode;
+use leanstream_engine::predict::PredictorKind;
+
+use super::PrecisionArg;
+
+/// The prompts used when `--prompts` is not given (one per line).
+const DEFAULT_PROMPTS: &str = include_str!("../../../data/prompts/bench.txt");
+/// The held-out text used when `--heldout` is not given.
+const DEFAULT_HELDOUT: &str = include_str!("../../../data/text/heldout-eval.txt");
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// A calibrated `.lsm` file (see `leanstream calibrate`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Comma-separated modes: dense, mmap, on-demand, prefetch, leanstream.
+    #[arg(long, value_delimiter = ',', default_value = "dense,mmap,on-demand,prefetch,leanstream")]
+    pub modes: Vec<Mode>,
+    /// Comma-separated neuron-cache sizes as percentages of the streamed FFN bytes.
+    #[arg(long, value_delimiter = ',', default_value = "5%,10%,20%,25%,50%", value_parser = parse_percent)]
+    pub ffn_budget: Vec<f64>,
+    /// Tokens to decode per prompt.
+    #[arg(long, default_value_t = 64)]
+    pub tokens: usize,
+    /// A text file with one prompt per line (default: the set shipped with LeanStream).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Held-out text for perplexity and predictor recall (default: the shipped evaluation text).
+    #[arg(long)]
+    pub heldout: Option<PathBuf>,
+    /// Held-out tokens to score per run.
+    #[arg(long, default_value_t = 256)]
+    pub heldout_tokens: usize,
+    /// The predictor choosing which chunks to compute.
+    #[arg(long, default_value = "lowrank")]
+    pub predictor: PredictorKind,
+    #[arg(long, value_enum, default_value_t)]
+    pub precision: PrecisionArg,
+    /// I/O worker threads of the cache-backed modes.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Also run the ablation of LeanStream's refinements at this budget (e.g. 20%).
+    #[arg(long, value_parser = parse_percent)]
+    pub ablation: Option<f64>,
+    /// Compute threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Write the rows as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write an SVG plot of tokens/s and miss ratio against the budget here.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Parses `20%`, `20` (both percent) or `0.2` (a fraction).
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, percent) = match t.strip_suffix('%') {
+        Some(n) => (n, true),
+        None => (t, false),
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+    let f = if percent || v > 1.0 { v / 100.0 } else { v };
+    if !(f > 0.0 && f <= 1.0) {
+        return Err(format!("`{s}` is outside (0 %, 100 %]"));
+    }
+    Ok(f)
+}
+
+fn read_text(path: &PathBuf) -> anyhow::Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", path.display()))
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    super::init_threads(args.threads)?;
+    let prompts = match &args.prompts {
+        Some(p) => read_text(p)?,
+        None => DEFAULT_PROMPTS.to_string(),
+    };
+    let prompts: Vec<String> = prompts
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    if prompts.is_empty() {
+        anyhow::bail!("no prompts: the prompt file has no non-empty lines");
+    }
+    let heldout = match &args.heldout {
+        Some(p) => read_text(p)?,
+        None => DEFAULT_HELDOUT.to_string(),
+    };
+    let cfg = BenchConfig {
+        model: args.model.clone(),
+        modes: args.modes.clone(),
+        budgets: args.ffn_budget.clone(),
+        tokens: args.tokens.max(2),
+        prompts,
+        heldout,
+        heldout_tokens: args.heldout_tokens.max(2),
+        predictor: args.predictor,
+        precision: args.precision.into(),
+        io_threads: args.io_threads,
+        ablation_budget: args.ablation,
+    };
+    let runs = cfg.modes.iter().filter(|m| !m.uses_cache()).count()
+        + cfg.modes.iter().filter(|m| m.uses_cache()).count() * cfg.budgets.len()
+        + if cfg.ablation_budget.is_some() { 4 } else { 0 }
+        + 1;
+    let bar = indicatif::ProgressBar::new(runs as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")
+            .expect("static template"),
+    );
+    let rows = bench::run(&cfg, &mut |what| {
+        if !bar.message().is_empty() {
+            bar.inc(1);
+        }
+        bar.set_message(what.to_string());
+    })?;
+    bar.finish_and_clear();
+    print!("{}", report::table(&rows));
+    if let Some(path) = &args.json {
+        std::fs::write(path, report::json(&rows))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "{} — decode tokens/s and cache miss ratio",
+            args.model.file_name().unwrap_or_default().to_string_lossy()
+        );
+        std::fs::write(path, report::svg(&rows, &title))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

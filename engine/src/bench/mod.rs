@@ -1,0 +1,70 @@
+//! `leanstream bench`: every mode over the same model file, predictor, prompts and cache
+//! budgets, each run starting cold, with one row of figures per mode and budget.
+//!
+//! A run: drop the file's page cache and reset the peak-RSS counter; open the model afresh; for
+//! each prompt, prefill it token by token, then decode greedily (timed, counted); then score the
+//! held-out text teacher-forced, measuring perplexity and predictor recall (not timed, after the
+//! peak RSS was taken, because recall reads every neuron's weights). `dense` runs first: it is
+//! the reference for greedy agreement and perplexity.
+
+pub mod process;
+pub mod report;
+mod run;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::cpu::Precision;
+use crate::pipeline::Mode;
+use crate::predict::PredictorKind;
+
+pub use run::run;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub model: PathBuf,
+    pub modes: Vec<Mode>,
+    /// Neuron-cache sizes as fractions of the streamed FFN bytes (cache-backed modes run once per
+    /// budget; `dense` and `mmap` once).
+    pub budgets: Vec<f64>,
+    /// Tokens decoded per prompt.
+    pub tokens: usize,
+    pub prompts: Vec<String>,
+    /// Held-out text for perplexity and recall, and how many of its tokens to score.
+    pub heldout: String,
+    pub heldout_tokens: usize,
+    pub predictor: PredictorKind,
+    pub precision: Precision,
+    pub io_threads: usize,
+    /// Also run LeanStream's ablation ladder at this budget.
+    pub ablation_budget: Option<f64>,
+}
+
+/// One mode at one budget. Ratios are in 0..=1; `None` where a figure does not apply.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BenchRow {
+    pub mode: String,
+    /// Cache size as a fraction of the streamed FFN bytes (`None` for dense and mmap).
+    pub ffn_budget: Option<f64>,
+    pub decode_tokens_per_s: f64,
+    pub prefill_tokens_per_s: f64,
+    pub peak_rss_bytes: u64,
+    /// Bytes the process read from storage per decoded token.
+    pub bytes_read_per_token: f64,
+    pub cache_miss_ratio: Option<f64>,
+    pub redundant_read_fraction: Option<f64>,
+    pub io_wait_fraction: Option<f64>,
+    pub predictor_recall: Option<f64>,
+    /// Share of generated tokens equal to `dense` mode's at the same position.
+    pub greedy_agreement: f64,
+    /// Held-out perplexity relative to `dense`: `ppl / ppl_dense − 1`.
+    pub nll_delta: f64,
+    pub perplexity: f64,
+    /// Bytes of the neuron cache (cache-backed modes).
+    pub cache_bytes: Option<u64>,
+    /// Share of FFN neurons computed per token.
+    pub computed_fraction: Option<f64>,
+    pub tokens_decoded: u64,
+}

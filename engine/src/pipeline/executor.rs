@@ -1,0 +1,121 @@
+//! One type for the FFN of any sparse mode, built from a mode name and a budget: what the bench
+//! and the daemon hold.
+
+use std::sync::Arc;
+
+use super::mmap::MmapFfn;
+use super::select::Selector;
+use super::sparse_model::SparseModel;
+use super::stats::PipelineStats;
+use super::streaming::{Policy, StreamingFfn};
+use super::Mode;
+use crate::backend::cpu::Precision;
+use crate::forward::FfnExecutor;
+use crate::io::{DirectFile, ThreadPoolIo};
+use crate::model::LayerWeights;
+use crate::predict::PredictorKind;
+use crate::{Error, Result};
+
+/// How to build a sparse pipeline.
+#[derive(Clone, Copy, Debug)]
+pub struct ExecutorOptions {
+    pub mode: Mode,
+    /// Overrides the mode's policy (cache-backed modes only): the ablation runs use this.
+    pub policy: Option<Policy>,
+    /// Bytes of the neuron cache (cache-backed modes).
+    pub cache_bytes: usize,
+    pub io_threads: usize,
+    pub precision: Precision,
+    /// The predictor choosing chunks; `None` computes every chunk (sparsity off).
+    pub predictor: Option<PredictorKind>,
+}
+
+/// The FFN of a sparse mode.
+#[derive(Debug)]
+pub enum Executor {
+    Mmap(MmapFfn),
+    Streaming(StreamingFfn),
+}
+
+impl Executor {
+    /// Builds the pipeline `opts` describes over `sm`. `dense` is not a sparse mode and is
+    /// refused (run it with [`crate::forward::Session::forward`]).
+    pub fn new(sm: &Arc<SparseModel>, opts: ExecutorOptions) -> Result<Executor> {
+        let selector = Selector::new(sm.scorer(opts.predictor)?, sm.layout.n_ff);
+        match opts.mode {
+            Mode::Dense => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "dense mode runs the dense forward pass, not a sparse pipeline".into(),
+            }),
+            Mode::Mmap => Ok(Executor::Mmap(MmapFfn::new(
+                Arc::clone(sm),
+                selector,
+                opts.precision,
+            ))),
+            mode => {
+                let policy = opts
+                    .policy
+                    .or_else(|| Policy::for_mode(mode))
+                    .expect("every cache-backed mode has a policy");
+                let file = DirectFile::open(&sm.path)?;
+                let io = ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), Default::default())?;
+                Ok(Executor::Streaming(StreamingFfn::new(
+                    Arc::clone(sm),
+                    selector,
+                    policy,
+                    opts.cache_bytes,
+                    Box::new(io),
+                    opts.precision,
+                )?))
+            }
+        }
+    }
+
+    /// Counters since the last reset.
+    pub fn stats(&self) -> PipelineStats {
+        match self {
+            Executor::Mmap(e) => e.stats().clone(),
+            Executor::Streaming(e) => e.stats(),
+        }
+    }
+
+    /// Zeroes the counters.
+    pub fn reset_stats(&mut self) {
+        match self {
+            Executor::Mmap(e) => e.reset_stats(),
+            Executor::Streaming(e) => e.reset_stats(),
+        }
+    }
+
+    /// Turns recall measurement (dense activations of every neuron) on or off.
+    pub fn measure_recall(&mut self, on: bool) {
+        match self {
+            Executor::Mmap(e) => e.measure_recall = on,
+            Executor::Streaming(e) => e.measure_recall = on,
+        }
+    }
+
+    /// Bytes of the neuron cache (0 for `mmap`).
+    pub fn cache_bytes(&self) -> usize {
+        match self {
+            Executor::Mmap(_) => 0,
+            Executor::Streaming(e) => e.cache_bytes(),
+        }
+    }
+}
+
+impl FfnExecutor for Executor {
+    fn begin_layer(&mut self, l: usize, x: &[f32]) {
+        match self {
+            Executor::Mmap(e) => e.begin_layer(l, x),
+            Executor::Streaming(e) => e.begin_layer(l, x),
+        }
+    }
+
+    fn ffn(&mut self, l: usize, layer: &LayerWeights, xn: &[f32], out: &mut [f32]) -> Result<()> {
+        match self {
+            Executor::Mmap(e) => e.ffn(l, layer, xn, out),
+            Executor::Streaming(e) => e.ffn(l, layer, xn, out),
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The sparse FFN over neuron chunks: each chunk adds its neurons' share of the output, so chunks
+//! can be computed in any order, as they arrive.
+
+use super::layout::ChunkLayout;
+use crate::backend::cpu::{self, Disjoint, Kernels, QuantizedActs};
+use crate::model::FfnActivation;
+
+/// What one layer's chunk computations share.
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkMath<'a> {
+    pub layout: &'a ChunkLayout,
+    pub kernels: &'static Kernels,
+    pub activation: FfnActivation,
+    /// Neurons whose |activation| is below this are treated as inactive (TEAL-style threshold;
+    /// 0 keeps every neuron).
+    pub threshold: f32,
+    /// The input quantised to 8-bit blocks for [`crate::backend::cpu::Precision::Fast`] gate and
+    /// up dots; `None` for exact f32 dots. Down columns always take f32 activations.
+    pub fast: Option<&'a QuantizedActs>,
+}
+
+impl ChunkMath<'_> {
+    /// Computes chunk `c` of a layer from its stored bytes: for its `j`-th neuron, the activation
+    /// `act(gate·x) * (up·x)` goes to `h[j]` (0 when below the threshold) and its product with the
+    /// neuron's down column is added to `acc`. Returns how many neurons were active.
+    ///
+    /// `x` and `acc` hold `d_model` values; `h` holds one value per neuron of the chunk; `bytes`
+    /// is the chunk as stored.
+    pub fn chunk(&self, c: usize, bytes: &[u8], x: &[f32], h: &mut [f32], acc: &mut [f32]) -> usize {
+        let l = self.layout;
+        let k = self.kernels;
+        let mut active = 0;
+        for (j, h) in h.iter_mut().enumerate().take(l.neurons(c).len()) {
+            let bundle = &bytes[j * l.bundle_bytes..(j + 1) * l.bundle_bytes];
+            let (gate, up) = (&bundle[..l.up_at], &bundle[l.up_at..l.down_at]);
+            let (g, u) = match self.fast {
+                Some(q) => (k.dot_q8(l.gate_dtype, gate, q), k.dot_q8(l.up_dtype, up, q)),
+                None => (k.dot(l.gate_dtype, gate, x), k.dot(l.up_dtype, up, x)),
+            };
+            let a = self.activation.apply(g) * u;
+            if a != 0.0 && a.abs() >= self.threshold {
+                k.axpy(l.down_dtype, &bundle[l.down_at..], a, acc);
+                *h = a;
+                active += 1;
+            } else {
+                *h = 0.0;
+            }
+        }
+        active
+    }
+
+    /// Computes every chunk in `chunks` (no chunk twice), whose stored bytes `bytes_of(c)` gives,
+    /// over the compute pool, adding their sum to `out` and writing the activations of their neurons into the
+    /// layer's `h` (`n_ff` values). `partials` is scratch of `n_parts * d_model` values (one
+    /// partial sum per task). Returns the number of active neurons.
+    pub fn chunks<'b>(
+        &self,
+        chunks: &[usize],
+        bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
+        x: &[f32],
+        h: &mut [f32],
+        partials: &mut [f32],
+        out: &mut [f32],
+    ) -> usize {
+        let d = self.layout.d_model;
+        if chunks.len() <= 2 {
+            return chunks
+                .iter()
+                .map(|&c| self.chunk(c, bytes_of(c), x, &mut h[self.layout.neurons(c)], out))
+                .sum();
+        }
+        let n_parts = (partials.len() / d).min(chunks.len()).max(1);
+        let per_part = chunks.len().div_ceil(n_parts);
+        let active = std::sync::atomic::AtomicUsize::new(0);
+        {
+            let hs = Disjoint::new(h);
+            let ps = Disjoint::new(&mut partials[..n_parts * d]);
+            cpu::for_each_chunk(n_parts, 1, |parts| {
+                for p in parts {
+                    // SAFETY: each part index is handed out once and owns partial sum `p`.
+                    let acc = unsafe { ps.range(p * d..(p + 1) * d) };
+                    acc.fill(0.0);
+                    let mut n = 0;
+                    for &c in chunks.iter().skip(p * per_part).take(per_part) {
+                        // SAFETY: every chunk appears once in `chunks` (a documented
+                        // precondition) and chunks own disjoint neuron ranges, so this range of
+                        // `h` is written by this task alone.
+                        let hc = unsafe { hs.range(self.layout.neurons(c)) };
+                        n += self.chunk(c, bytes_of(c), x, hc, acc);
+                    }
+                    active.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        for part in partials[..n_parts * d].chunks_exact(d) {
+            cpu::add_inplace(out, part);
+        }
+        active.into_inner()
+    }
+}

@@ -1,0 +1,125 @@
+//! A `.lsm` model opened for sparse execution: resident weights mapped, the streamed FFN section
+//! left on storage, plus what calibration wrote (thresholds, statistics, predictors).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::layout::ChunkLayout;
+use super::select::{AllNeurons, NeuronScorer};
+use crate::forward::Model;
+use crate::model::TensorBytes;
+use crate::model::lsm::LsmFile;
+use crate::Result;
+use crate::predict::{PredictScratch, Predictor, PredictorKind};
+
+/// A model ready for the sparse pipelines. Shared by every session and pipeline on it.
+#[derive(Debug)]
+pub struct SparseModel {
+    /// Resident weights, tokenizer and template. Its FFN weights are views of the memory map and
+    /// are touched only by `dense` and `mmap` modes and by recall measurement.
+    pub model: Arc<Model>,
+    pub layout: ChunkLayout,
+    /// The whole file, memory-mapped.
+    pub file: TensorBytes,
+    pub path: PathBuf,
+    /// Per layer: activations with a smaller magnitude count as inactive.
+    pub thresholds: Vec<f32>,
+    /// Per chunk: the calibrated share of tokens on which any neuron of the chunk is active.
+    pub chunk_frequency: Vec<f32>,
+    /// The calibration's target sparsity (0 when uncalibrated).
+    pub sparsity: f32,
+    calibration: Option<crate::model::lsm::CalibrationData>,
+}
+
+impl SparseModel {
+    /// Opens `path` without reading the streamed section. With `require_calibration`, a file
+    /// that was never calibrated is refused with a message naming `leanstream calibrate`.
+    pub fn open(path: &Path, require_calibration: bool) -> Result<Arc<SparseModel>> {
+        let f = LsmFile::open(path)?;
+        let tokenizer = f.tokenizer()?;
+        let weights = f.weights(path, tokenizer.clone())?;
+        let layout = ChunkLayout::from_header(path, &f.header)?;
+        let calibration = match f.calibration(path) {
+            Ok(c) => Some(c),
+            Err(e) if require_calibration => return Err(e),
+            Err(_) => None,
+        };
+        let (thresholds, chunk_frequency, sparsity) = match &calibration {
+            Some(c) => (
+                c.thresholds().to_vec(),
+                chunk_frequency(&layout, &c.frequencies()?),
+                c.meta.target_sparsity,
+            ),
+            None => (
+                vec![0.0; layout.n_layers],
+                vec![1.0; layout.total_chunks()],
+                0.0,
+            ),
+        };
+        Ok(Arc::new(SparseModel {
+            model: Arc::new(Model {
+                path: path.to_path_buf(),
+                weights,
+                tokenizer,
+                chat_template: f.header.chat_template.clone(),
+            }),
+            layout,
+            file: f.data.clone(),
+            path: path.to_path_buf(),
+            thresholds,
+            chunk_frequency,
+            sparsity,
+            calibration,
+        }))
+    }
+
+    /// A scorer for the selection: the calibrated predictor of `kind`, or every neuron when the
+    /// model is uncalibrated or `kind` is `None` (sparsity off).
+    pub fn scorer(&self, kind: Option<PredictorKind>) -> Result<Box<dyn NeuronScorer>> {
+        match (kind, &self.calibration) {
+            (Some(kind), Some(c)) => {
+                let predictor = c.predictor(kind)?;
+                Ok(Box::new(PredictorScorer {
+                    scratch: predictor.scratch(),
+                    cutoffs: c.predictor_meta(kind)?.cutoffs.clone(),
+                    predictor,
+                }))
+            }
+            _ => Ok(Box::new(AllNeurons)),
+        }
+    }
+}
+
+/// A calibrated predictor with its per-layer cut-offs.
+#[derive(Debug)]
+struct PredictorScorer {
+    predictor: Box<dyn Predictor>,
+    scratch: PredictScratch,
+    cutoffs: Vec<f32>,
+}
+
+impl NeuronScorer for PredictorScorer {
+    fn score(&mut self, l: usize, xn: &[f32], out: &mut [f32]) {
+        self.predictor.score(l, xn, &mut self.scratch, out);
+    }
+    fn cutoff(&self, l: usize) -> f32 {
+        self.cutoffs[l]
+    }
+    fn bytes(&self) -> usize {
+        self.predictor.bytes()
+    }
+    fn name(&self) -> &'static str {
+        self.predictor.kind().name()
+    }
+}
+
+/// Per chunk, the largest activation frequency of its neurons.
+fn chunk_frequency(layout: &ChunkLayout, per_layer: &[Vec<f32>]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(layout.total_chunks());
+    for f in per_layer {
+        for c in 0..layout.chunks_per_layer {
+            out.push(f[layout.neurons(c)].iter().fold(0.0f32, |a, &b| a.max(b)));
+        }
+    }
+    out
+}

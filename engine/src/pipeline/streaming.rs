@@ -1,0 +1,506 @@
+//! The FFN of the cache-backed modes — `on-demand`, `prefetch` and `leanstream` — as one
+//! executor whose [`Policy`] says when to read, what to keep and in what order to compute. The
+//! three modes are presets of the policy, and the ablation of LeanStream's refinements switches
+//! its parts on one at a time.
+//!
+//! Per token and layer `l` (DESIGN §1, §3):
+//! 1. **Speculate** (at the start of layer `l`, before its attention): the predictor scores layers
+//!    `l..l + lookahead` from the residual stream as it is now, and reads of the missing chunks
+//!    it selects are queued, nearer layers first, better margins first.
+//! 2. **Refine** (the FFN of `l`, with its exact input): the exact selection promotes its missing
+//!    chunks to the front of the queue and cancels queued reads of chunks it no longer selects;
+//!    later layers' reads are re-scored as their speculation is repeated layer by layer.
+//! 3. **Stream**: chunks are computed as they become ready — resident ones first, then each
+//!    batch of arrivals — because an FFN output is a sum over neurons; the layer is done when
+//!    every selected chunk is in.
+//! 4. **Retain**: what the exact activations showed (was any neuron of a chunk active?) feeds a
+//!    per-chunk activity average that, with the calibrated frequency, decides what the cache
+//!    keeps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::kernel::ChunkMath;
+use super::layout::ChunkId;
+use super::select::Selector;
+use super::sparse_model::SparseModel;
+use super::stats::PipelineStats;
+use super::Mode;
+use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
+use crate::cache::{Evict, Lookup, NeuronCache};
+use crate::forward::FfnExecutor;
+use crate::io::{Completion, IoEngine, ReadRequest};
+use crate::model::LayerWeights;
+use crate::{Error, Result};
+
+/// What the cache keeps when it must evict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retention {
+    /// Least recently used goes first.
+    Lru,
+    /// Least often active in calibration goes first (hot neurons stay).
+    Frequency,
+    /// Lowest blend of recent observed activity and calibrated frequency goes first, updated from
+    /// the exact activations of every token.
+    Refined,
+}
+
+/// When a cache-backed pipeline reads, what it keeps and in what order it computes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Policy {
+    /// Layers (counting the current one) whose chunks are read speculatively at each layer start
+    /// from the residual stream; 0 reads nothing before the exact selection.
+    pub lookahead: usize,
+    /// Repeat speculation at every layer start and with the exact input, promoting needed reads
+    /// and cancelling queued reads no longer selected. Off: each layer is speculated once.
+    pub refine_load: bool,
+    /// Compute chunks as they become ready instead of after the layer's last read.
+    pub stream_compute: bool,
+    pub retention: Retention,
+}
+
+impl Policy {
+    /// The policy of a cache-backed mode; `None` for `dense` and `mmap`.
+    pub fn for_mode(mode: Mode) -> Option<Policy> {
+        match mode {
+            Mode::OnDemand => Some(Policy {
+                lookahead: 0,
+                refine_load: false,
+                stream_compute: false,
+                retention: Retention::Lru,
+            }),
+            Mode::Prefetch => Some(Policy {
+                lookahead: 2,
+                refine_load: false,
+                stream_compute: false,
+                retention: Retention::Frequency,
+            }),
+            Mode::LeanStream => Some(Policy {
+                lookahead: 2,
+                refine_load: true,
+                stream_compute: true,
+                retention: Retention::Refined,
+            }),
+            Mode::Dense | Mode::Mmap => None,
+        }
+    }
+
+    /// The ablation ladder of LeanStream's refinements, each step adding one part to the one
+    /// before: on-demand with LRU (serialised) → + prioritised compute (stream) → + prioritised
+    /// loading (speculate and refine reads) → + prioritised retention (= `leanstream`).
+    pub fn ablation() -> [(&'static str, Policy); 4] {
+        let base = Policy {
+            lookahead: 0,
+            refine_load: false,
+            stream_compute: false,
+            retention: Retention::Lru,
+        };
+        let compute = Policy {
+            stream_compute: true,
+            ..base
+        };
+        let load = Policy {
+            lookahead: 2,
+            refine_load: true,
+            ..compute
+        };
+        let retention = Policy {
+            retention: Retention::Refined,
+            ..load
+        };
+        [
+            ("serial+lru", base),
+            ("+compute", compute),
+            ("+load", load),
+            ("+retention", retention),
+        ]
+    }
+}
+
+/// Read priorities: every read of layer `l` outranks every read of a later layer; inside a
+/// layer, reads the exact selection needs now outrank speculative ones, and better margins go
+/// first.
+fn read_priority(n_layers: usize, l: usize, margin: f32, needed_now: bool) -> f32 {
+    let squashed = margin / (1.0 + margin.abs()); // (-1, 1)
+    let band = (n_layers - l) as f32 * 1000.0;
+    band + if needed_now { 600.0 } else { 0.0 } + 400.0 * squashed
+}
+
+/// A generation's FFN through the neuron cache, for one model. Owned by the one thread that runs
+/// the model's sessions.
+#[derive(Debug)]
+pub struct StreamingFfn {
+    sm: Arc<SparseModel>,
+    policy: Policy,
+    selector: Selector,
+    cache: NeuronCache,
+    io: Box<dyn IoEngine>,
+    precision: Precision,
+    /// Count predictor recall against dense activations (measurement passes only).
+    pub measure_recall: bool,
+    stats: PipelineStats,
+    tick: f32,                    // accesses so far, the LRU clock
+    activity: Vec<f32>,           // (total chunks) average of "any neuron active" when computed
+    speculated: Vec<u32>,         // (n_layers) token count at which a layer was last speculated
+    xn: Vec<f32>,                 // (d_model) speculative input of a later layer
+    margins: Vec<f32>,            // (chunks_per_layer)
+    h: Vec<f32>,                  // (n_ff)
+    partials: Vec<f32>,           // (n_parts, d_model)
+    acts: QuantizedActs,          // (d_model) for Fast
+    needed: Vec<usize>,           // chunks of this layer still to compute
+    ready: Vec<usize>,            // chunks of this layer ready to compute in this stage
+    done: Vec<Completion>,        // completions being processed
+    failed: Option<(ChunkId, String)>,
+}
+
+impl StreamingFfn {
+    /// A pipeline over `sm` with `policy`, a cache of `cache_bytes` and reads served by `io`.
+    /// Refuses a cache too small to hold one layer's chunks (the minimum working set), naming
+    /// the bytes needed.
+    pub fn new(
+        sm: Arc<SparseModel>,
+        selector: Selector,
+        policy: Policy,
+        cache_bytes: usize,
+        io: Box<dyn IoEngine>,
+        precision: Precision,
+    ) -> Result<StreamingFfn> {
+        let l = &sm.layout;
+        let cache = NeuronCache::new(
+            l.total_chunks(),
+            l.chunk_bytes,
+            cache_bytes as u64,
+            l.chunks_per_layer,
+        )?;
+        Ok(StreamingFfn {
+            policy,
+            selector,
+            cache,
+            io,
+            precision,
+            measure_recall: false,
+            stats: PipelineStats::default(),
+            tick: 0.0,
+            activity: vec![0.0; l.total_chunks()],
+            speculated: vec![u32::MAX; l.n_layers],
+            xn: vec![0.0; l.d_model],
+            margins: vec![0.0; l.chunks_per_layer],
+            h: vec![0.0; l.n_ff],
+            partials: vec![0.0; rayon::current_num_threads().max(1) * l.d_model],
+            acts: QuantizedActs::new(l.d_model),
+            needed: Vec::with_capacity(l.chunks_per_layer),
+            ready: Vec::with_capacity(l.chunks_per_layer),
+            done: Vec::with_capacity(l.total_chunks()),
+            failed: None,
+            sm,
+        })
+    }
+
+    /// Counters since the last reset (cache and I/O counters folded in).
+    pub fn stats(&self) -> PipelineStats {
+        let mut s = self.stats.clone();
+        let c = self.cache.stats();
+        s.hits = c.hits;
+        s.misses = c.misses;
+        s.bytes_unused = c.bytes_unused;
+        s.bytes_read = self.io.stats().bytes;
+        s
+    }
+
+    /// Zeroes the counters (the cache keeps its contents).
+    pub fn reset_stats(&mut self) {
+        self.stats = PipelineStats::default();
+        self.cache.reset_stats();
+        self.io.reset_stats();
+    }
+
+    /// Bytes of the neuron cache's arena.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.resident_bytes() as usize
+    }
+
+    /// The value of keeping chunk `c` under this policy's retention (higher stays longer).
+    fn retention(&self, c: ChunkId) -> f32 {
+        match self.policy.retention {
+            Retention::Lru => self.tick,
+            Retention::Frequency => self.sm.chunk_frequency[c as usize],
+            Retention::Refined => {
+                0.5 * self.activity[c as usize] + 0.5 * self.sm.chunk_frequency[c as usize]
+            }
+        }
+    }
+
+    /// Makes sure chunk `c` is cached or on its way. A needed chunk may evict anything
+    /// evictable; a speculative one only what is worth less. Returns false if no slot could be
+    /// had.
+    fn request(&mut self, c: ChunkId, priority: f32, needed_now: bool) -> bool {
+        match self.cache.lookup(c) {
+            Lookup::Ready(_) => true,
+            Lookup::Loading(_) => {
+                if self.policy.refine_load {
+                    self.io.reprioritize(c as u64, priority);
+                }
+                true
+            }
+            Lookup::Absent => {
+                let value = self.retention(c);
+                let evict = if needed_now {
+                    Evict::Any
+                } else {
+                    Evict::NotHigher
+                };
+                let slot = self.cache.reserve(c, value, evict);
+                let Some((_, target)) = slot else {
+                    return false;
+                };
+                let req = ReadRequest {
+                    id: c as u64,
+                    offset: self.sm.layout.file_offset(c),
+                    target,
+                    priority,
+                };
+                // SAFETY: the target is a Loading slot of our cache; the cache hands it to no one
+                // else and never reads or evicts it until `complete` or `abandon`, which we call
+                // only for this id's completion or after a successful cancel. The I/O engine is
+                // dropped (joining its workers) before the cache (field order).
+                unsafe { self.io.submit(req) };
+                true
+            }
+        }
+    }
+
+    /// Applies finished reads to the cache; waits up to `timeout` for at least one if `block`.
+    fn collect(&mut self, block: bool) {
+        self.done.clear();
+        if block {
+            let t = Instant::now();
+            self.io.wait(&mut self.done, Some(Duration::from_millis(100)));
+            self.stats.io_wait_ns += t.elapsed().as_nanos() as u64;
+        } else {
+            self.io.try_drain(&mut self.done);
+        }
+        for d in &self.done {
+            let c = d.id as ChunkId;
+            if let Lookup::Loading(slot) = self.cache.lookup(c) {
+                self.cache.complete(slot, d.result.is_ok());
+            }
+            if let Err(e) = &d.result {
+                self.failed = Some((c, e.to_string()));
+            }
+        }
+    }
+
+    /// Speculation at the start of layer `l`: queue reads for the chunks the predictor selects in
+    /// layers `l..l + lookahead` from the current residual stream `x`.
+    fn speculate(&mut self, l: usize, x: &[f32]) {
+        let n_layers = self.sm.layout.n_layers;
+        let token = self.stats.tokens as u32;
+        for target in l..(l + self.policy.lookahead).min(n_layers) {
+            if !self.policy.refine_load && self.speculated[target] == token {
+                continue; // one-shot: each layer is predicted once per token
+            }
+            self.speculated[target] = token;
+            let norm = &self.sm.model.weights.layers[target].ffn_norm;
+            let eps = self.sm.model.weights.config.rms_eps;
+            cpu::rmsnorm(&mut self.xn, x, norm, eps);
+            let t = Instant::now();
+            let xn = std::mem::take(&mut self.xn);
+            self.selector
+                .margins(&self.sm.layout, target, &xn, &mut self.margins);
+            self.xn = xn;
+            self.stats.predict_ns += t.elapsed().as_nanos() as u64;
+            for c in 0..self.sm.layout.chunks_per_layer {
+                let id = self.sm.layout.id(target, c);
+                let m = self.margins[c];
+                if m >= 0.0 {
+                    self.request(id, read_priority(n_layers, target, m, false), false);
+                } else if self.policy.refine_load {
+                    self.cancel(id);
+                }
+            }
+        }
+    }
+
+    /// Cancels a queued read of chunk `c`, freeing its slot; in-flight reads finish normally.
+    fn cancel(&mut self, c: ChunkId) {
+        if let Lookup::Loading(slot) = self.cache.lookup(c)
+            && self.io.cancel(c as u64)
+        {
+            self.cache.abandon(slot);
+            self.stats.reads_cancelled += 1;
+        }
+    }
+
+    /// Computes the chunks in `self.ready` (all Ready and pinned) into `out`, then unpins them and
+    /// updates their retention from what the activations showed.
+    fn compute_ready(&mut self, l: usize, xn: &[f32], out: &mut [f32]) {
+        if self.ready.is_empty() {
+            return;
+        }
+        let sm = &*self.sm;
+        let layout = &sm.layout;
+        let fast = (self.precision == Precision::Fast).then_some(&self.acts);
+        let math = ChunkMath {
+            layout,
+            kernels: Kernels::best(),
+            activation: sm.model.weights.config.activation,
+            threshold: sm.thresholds[l],
+            fast,
+        };
+        let cache = &self.cache;
+        let bytes_of = |c: usize| match cache.lookup(layout.id(l, c)) {
+            Lookup::Ready(slot) => cache.data(slot),
+            _ => unreachable!("chunk {c} of layer {l} is computed only when Ready and pinned"),
+        };
+        let active = math.chunks(&self.ready, &bytes_of, xn, &mut self.h, &mut self.partials, out);
+        self.stats.active_neurons += active as u64;
+        for &c in &self.ready {
+            let id = layout.id(l, c);
+            let r = layout.neurons(c);
+            self.stats.computed_neurons += r.len() as u64;
+            let any = self.h[r].iter().any(|&a| a != 0.0);
+            let a = &mut self.activity[id as usize];
+            *a = 0.5 * *a + if any { 0.5 } else { 0.0 };
+            self.cache.unpin(id);
+        }
+        self.tick += 1.0;
+        for i in 0..self.ready.len() {
+            let id = layout.id(l, self.ready[i]);
+            let value = self.retention(id);
+            self.cache.set_retention(id, value);
+        }
+        self.ready.clear();
+    }
+
+    /// Moves the needed chunks that are Ready into `self.ready`, pinning them.
+    fn take_ready(&mut self, l: usize) {
+        let layout = &self.sm.layout;
+        let cache = &mut self.cache;
+        let ready = &mut self.ready;
+        self.needed.retain(|&c| match cache.lookup(layout.id(l, c)) {
+            Lookup::Ready(_) => {
+                cache.pin(layout.id(l, c));
+                ready.push(c);
+                false
+            }
+            _ => true,
+        });
+    }
+}
+
+impl FfnExecutor for StreamingFfn {
+    fn begin_layer(&mut self, l: usize, x: &[f32]) {
+        if l == 0 {
+            self.stats.tokens += 1;
+            self.cache.begin_token();
+            self.failed = None;
+        }
+        self.collect(false);
+        if self.policy.lookahead > 0 {
+            self.speculate(l, x);
+        }
+    }
+
+    fn ffn(&mut self, l: usize, layer: &LayerWeights, xn: &[f32], out: &mut [f32]) -> Result<()> {
+        let n_layers = self.sm.layout.n_layers;
+        let t = Instant::now();
+        self.selector
+            .margins(&self.sm.layout, l, xn, &mut self.margins);
+        self.stats.predict_ns += t.elapsed().as_nanos() as u64;
+        if self.measure_recall {
+            let sm = Arc::clone(&self.sm);
+            super::recall::count(
+                &sm.layout,
+                layer,
+                sm.model.weights.config.activation,
+                sm.thresholds[l],
+                xn,
+                &self.margins,
+                &mut self.h,
+                &mut self.stats,
+            );
+        }
+        if self.precision == Precision::Fast {
+            self.acts.quantize(xn);
+        }
+        out.fill(0.0);
+
+        // The exact selection: count hits and misses, cancel what it dropped, and make sure
+        // everything it needs is cached or on its way (urgently).
+        self.needed.clear();
+        for c in 0..self.sm.layout.chunks_per_layer {
+            let id = self.sm.layout.id(l, c);
+            let m = self.margins[c];
+            if m < 0.0 {
+                if self.policy.refine_load {
+                    self.cancel(id);
+                }
+                continue;
+            }
+            self.stats.chunks_needed += 1;
+            self.needed.push(c);
+        }
+        for i in 0..self.needed.len() {
+            self.cache.access(self.sm.layout.id(l, self.needed[i]));
+        }
+        let mut waiting = Vec::new(); // chunks no slot could be had for yet
+        for i in 0..self.needed.len() {
+            let c = self.needed[i];
+            let id = self.sm.layout.id(l, c);
+            let p = read_priority(n_layers, l, self.margins[c], true);
+            if !self.request(id, p, true) {
+                waiting.push(c);
+            }
+        }
+
+        // Stages: compute what is ready, then wait for arrivals. A serialised policy computes
+        // only once everything is in, unless it has to free slots for chunks still waiting.
+        loop {
+            self.take_ready(l);
+            let all_in = self.needed.is_empty();
+            if self.policy.stream_compute || all_in || !waiting.is_empty() {
+                self.compute_ready(l, xn, out);
+            }
+            waiting.retain(|&c| {
+                let id = self.sm.layout.id(l, c);
+                let p = read_priority(n_layers, l, self.margins[c], true);
+                !self.request(id, p, true)
+            });
+            if self.needed.is_empty() && self.ready.is_empty() {
+                break;
+            }
+            if let Some((c, e)) = self.failed.take()
+                && self.sm.layout.layer_of(c) == l
+            {
+                for &r in &self.ready {
+                    self.cache.unpin(self.sm.layout.id(l, r));
+                }
+                self.ready.clear();
+                return Err(Error::io(
+                    &self.sm.path,
+                    std::io::Error::other(format!(
+                        "reading FFN layer {l} chunk {}: {e}",
+                        self.sm.layout.chunk_of(c)
+                    )),
+                ));
+            }
+            self.collect(true);
+        }
+
+        // Refined retention: cached chunks of this layer the exact selection passed over count
+        // as inactive this token.
+        if self.policy.retention == Retention::Refined {
+            for c in 0..self.sm.layout.chunks_per_layer {
+                if self.margins[c] < 0.0 {
+                    let id = self.sm.layout.id(l, c);
+                    if matches!(self.cache.lookup(id), Lookup::Ready(_)) {
+                        self.activity[id as usize] *= 0.5;
+                        let value = self.retention(id);
+                        self.cache.set_retention(id, value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
