@@ -15,6 +15,7 @@ pub mod error;
 pub mod forward;
 pub mod generate;
 pub mod model;
+pub mod predict;
 pub mod quant;
 pub mod reference;
 pub mod sample;
