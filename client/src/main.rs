@@ -1,6 +1,6 @@
 //! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
 //! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
-//! `perplexity`, `convert`) run the engine in-process and need the default `offline` feature.
+//! `perplexity`, `convert`, `calibrate`) run the engine in-process and need the default `offline` feature.
 //!
 //! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
 
@@ -44,6 +44,9 @@ enum Command {
     /// Convert a GGUF file or safetensors directory into a LeanStream `.lsm` file.
     #[cfg(feature = "offline")]
     Convert(offline::convert::ConvertArgs),
+    /// Calibrate a `.lsm` file: activation thresholds, neuron statistics, predictors.
+    #[cfg(feature = "offline")]
+    Calibrate(offline::calibrate::CalibrateArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +59,8 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]
         Command::Convert(args) => offline_exit(offline::convert::run(args)),
+        #[cfg(feature = "offline")]
+        Command::Calibrate(args) => offline_exit(offline::calibrate::run(args)),
     }
 }
 

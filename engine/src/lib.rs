@@ -10,6 +10,7 @@
 //! - [`sample`]: token sampling.
 
 pub mod backend;
+pub mod calibrate;
 pub mod chat;
 pub mod error;
 pub mod forward;

@@ -1,5 +1,6 @@
 //! Offline subcommands: the engine runs inside this process.
 
+pub mod calibrate;
 pub mod convert;
 pub mod perplexity;
 pub mod run;

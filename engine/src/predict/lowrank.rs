@@ -33,12 +33,11 @@ impl Default for LowRankParams {
     }
 }
 
-/// The right singular vectors and singular values of one gate matrix, largest first.
+/// The right singular vectors of one gate matrix, largest singular value first.
 #[derive(Debug)]
 pub(crate) struct GateSvd {
     /// `d × d`, row `j` is the `j`-th right singular vector.
     pub directions: Vec<f32>,
-    pub singular_values: Vec<f32>,
     /// The dequantised gate matrix, `n_ff × d` row-major.
     pub gate: DMatrix<f32>,
 }
@@ -62,13 +61,8 @@ pub(crate) fn gate_svd(gate: &QRows) -> GateSvd {
     for &j in &order {
         directions.extend(eig.eigenvectors.column(j).iter().map(|&v| v as f32));
     }
-    let singular_values = order
-        .iter()
-        .map(|&j| eig.eigenvalues[j].max(0.0).sqrt() as f32)
-        .collect();
     GateSvd {
         directions,
-        singular_values,
         gate: w,
     }
 }

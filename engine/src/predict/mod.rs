@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 pub use cutoff::{RecallCounter, cutoff_for_recall};
 pub use hashing::{Hashing, HashingParams};
 pub use lowrank::{LowRank, LowRankParams};
+pub(crate) use lowrank::gate_svd;
 
 /// Which predictor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
