@@ -1,6 +1,6 @@
 //! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
 //! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
-//! `perplexity`, `convert`) run the engine in-process and need the default `offline` feature.
+//! `perplexity`, `convert`, `calibrate`) run the engine in-process and need the default `offline` feature.
 //!
 //! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
 
@@ -48,6 +48,9 @@ enum Command {
     /// neuron-cache budgets.
     #[cfg(feature = "offline")]
     Bench(offline::bench::BenchArgs),
+    /// Calibrate a `.lsm` file: activation thresholds, neuron statistics, predictors.
+    #[cfg(feature = "offline")]
+    Calibrate(offline::calibrate::CalibrateArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => offline_exit(offline::convert::run(args)),
         #[cfg(feature = "offline")]
         Command::Bench(args) => offline_exit(offline::bench::run(args)),
+        Command::Calibrate(args) => offline_exit(offline::calibrate::run(args)),
     }
 }
 

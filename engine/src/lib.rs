@@ -15,6 +15,7 @@
 pub mod backend;
 pub mod bench;
 pub mod cache;
+pub mod calibrate;
 pub mod chat;
 pub mod error;
 pub mod forward;
@@ -22,6 +23,7 @@ pub mod generate;
 pub mod io;
 pub mod model;
 pub mod pipeline;
+pub mod predict;
 pub mod quant;
 pub mod reference;
 pub mod sample;

@@ -1,6 +1,7 @@
 //! Offline subcommands: the engine runs inside this process.
 
 pub mod bench;
+pub mod calibrate;
 pub mod convert;
 pub mod perplexity;
 pub mod run;

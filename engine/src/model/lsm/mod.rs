@@ -12,6 +12,8 @@
 //!               column stored back to back; `chunk_neurons` bundles make a chunk, every chunk
 //!               starts on a 4 KiB boundary so that one O_DIRECT read lands it in a cache slot.
 //!               Each chunk has its own CRC-32, so a streamed read can be verified on arrival.
+//!   calibration optional (written by `leanstream calibrate`): per-neuron statistics and
+//!               predictor tables as binary tensors, 64-byte aligned; see [`Calibration`].
 //! ```
 //!
 //! Gate and up rows keep the source's storage type (no re-quantisation). The down matrix has to be
@@ -20,6 +22,8 @@
 //! SmolLM2 survive with relative RMS error ~1e-4), or `q8_0` (smaller, ~4e-3). The error measured
 //! at conversion is recorded in the header (`down_error`).
 
+mod calibration;
+mod rewrite;
 mod write;
 
 use std::path::Path;
@@ -31,6 +35,11 @@ use crate::quant::DType;
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
 
+pub use calibration::{
+    CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData,
+    PredictorMeta,
+};
+pub use rewrite::write_calibrated;
 pub use write::{ConvertOptions, ConvertReport, convert};
 
 /// File magic.
@@ -120,9 +129,10 @@ pub struct Header {
     pub streamed: Section,
     pub tensors: Vec<TensorEntry>,
     pub ffn: FfnLayout,
-    /// Calibration results (thresholds, statistics, predictors); written by `leanstream calibrate`.
+    /// Calibration results (thresholds, statistics, predictors); written by `leanstream calibrate`,
+    /// read with [`LsmFile::calibration`].
     #[serde(default)]
-    pub calibration: Option<serde_json::Value>,
+    pub calibration: Option<Calibration>,
 }
 
 /// An opened `.lsm` file: its header and the memory map of the whole file.

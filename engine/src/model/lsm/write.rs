@@ -46,7 +46,7 @@ pub struct ConvertReport {
     pub down_error: DownError,
 }
 
-fn align_up(n: u64) -> u64 {
+pub(super) fn align_up(n: u64) -> u64 {
     n.div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
@@ -57,20 +57,50 @@ fn is_ffn_tensor(name: &str) -> bool {
             .any(|s| name.ends_with(s))
 }
 
-struct Out {
+/// A sequential writer that knows its position.
+pub(super) struct Out {
     w: BufWriter<File>,
     path: PathBuf,
-    pos: u64,
+    pub(super) pos: u64,
 }
 
 impl Out {
-    fn write(&mut self, b: &[u8]) -> Result<()> {
+    /// Creates (truncates) `path`.
+    pub(super) fn create(path: &Path) -> Result<Out> {
+        let file = File::create(path).map_err(|e| Error::io(path, e))?;
+        Ok(Out {
+            w: BufWriter::with_capacity(1 << 20, file),
+            path: path.to_path_buf(),
+            pos: 0,
+        })
+    }
+
+    /// Writes the preamble and `json` at the start of the file (into the gap reserved for them)
+    /// and syncs the file.
+    pub(super) fn finish(mut self, json: &[u8]) -> Result<()> {
+        let mut pre = [0u8; PREAMBLE_LEN];
+        pre[..8].copy_from_slice(&MAGIC);
+        pre[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        pre[16..24].copy_from_slice(&(json.len() as u64).to_le_bytes());
+        pre[24..28].copy_from_slice(&crc32fast::hash(json).to_le_bytes());
+        let path = self.path.clone();
+        self.w.flush().map_err(|e| Error::io(&path, e))?;
+        let file = self.w.get_mut();
+        file.seek(SeekFrom::Start(0))
+            .map_err(|e| Error::io(&path, e))?;
+        file.write_all(&pre)
+            .and_then(|_| file.write_all(json))
+            .map_err(|e| Error::io(&path, e))?;
+        file.sync_all().map_err(|e| Error::io(&path, e))
+    }
+
+    pub(super) fn write(&mut self, b: &[u8]) -> Result<()> {
         self.w.write_all(b).map_err(|e| Error::io(&self.path, e))?;
         self.pos += b.len() as u64;
         Ok(())
     }
 
-    fn pad_to(&mut self, at: u64) -> Result<()> {
+    pub(super) fn pad_to(&mut self, at: u64) -> Result<()> {
         const ZEROS: [u8; ALIGN] = [0; ALIGN];
         while self.pos < at {
             let n = ((at - self.pos) as usize).min(ALIGN);
@@ -177,12 +207,7 @@ pub fn convert(
         .len();
 
     let partial = dst.with_extension("lsm.partial");
-    let file = File::create(&partial).map_err(|e| Error::io(&partial, e))?;
-    let mut out = Out {
-        w: BufWriter::with_capacity(1 << 20, file),
-        path: partial.clone(),
-        pos: 0,
-    };
+    let mut out = Out::create(&partial)?;
     let result = (|| {
         out.pad_to(align_up((PREAMBLE_LEN + reserve) as u64))?;
 
@@ -244,20 +269,8 @@ pub fn convert(
         let json =
             serde_json::to_vec(&header).map_err(|e| Error::invalid_file(dst, e.to_string()))?;
         assert!(json.len() <= reserve, "header outgrew its reservation");
-        let mut pre = [0u8; PREAMBLE_LEN];
-        pre[..8].copy_from_slice(&MAGIC);
-        pre[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        pre[16..24].copy_from_slice(&(json.len() as u64).to_le_bytes());
-        pre[24..28].copy_from_slice(&crc32fast::hash(&json).to_le_bytes());
         let file_bytes = out.pos;
-        out.w.flush().map_err(|e| Error::io(&partial, e))?;
-        let file = out.w.get_mut();
-        file.seek(SeekFrom::Start(0))
-            .map_err(|e| Error::io(&partial, e))?;
-        file.write_all(&pre)
-            .and_then(|_| file.write_all(&json))
-            .map_err(|e| Error::io(&partial, e))?;
-        file.sync_all().map_err(|e| Error::io(&partial, e))?;
+        out.finish(&json)?;
         Ok(ConvertReport {
             file_bytes,
             resident_bytes: header.resident.len,
@@ -268,13 +281,18 @@ pub fn convert(
             down_error: header.ffn.down_error.clone(),
         })
     })();
+    commit(&partial, dst, result)
+}
+
+/// Renames `partial` onto `dst` when `result` is a success; removes it otherwise.
+pub(super) fn commit<T>(partial: &Path, dst: &Path, result: Result<T>) -> Result<T> {
     match result {
         Ok(report) => {
-            std::fs::rename(&partial, dst).map_err(|e| Error::io(dst, e))?;
+            std::fs::rename(partial, dst).map_err(|e| Error::io(dst, e))?;
             Ok(report)
         }
         Err(e) => {
-            let _ = std::fs::remove_file(&partial);
+            let _ = std::fs::remove_file(partial);
             Err(e)
         }
     }
