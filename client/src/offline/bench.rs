@@ -40,7 +40,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 256)]
     pub heldout_tokens: usize,
     /// The predictor choosing which chunks to compute.
-    #[arg(long, default_value = "lowrank")]
+    #[arg(long, default_value = "lowrank", value_parser = parse_predictor)]
     pub predictor: PredictorKind,
     #[arg(long, value_enum, default_value_t)]
     pub precision: PrecisionArg,
@@ -74,6 +74,13 @@ fn parse_percent(s: &str) -> Result<f64, String> {
         return Err(format!("`{s}` is outside (0 %, 100 %]"));
     }
     Ok(f)
+}
+
+fn parse_predictor(s: &str) -> Result<PredictorKind, String> {
+    PredictorKind::ALL
+        .into_iter()
+        .find(|k| k.name() == s)
+        .ok_or_else(|| format!("unknown predictor `{s}` (lowrank or hashing)"))
 }
 
 fn read_text(path: &PathBuf) -> anyhow::Result<String> {

@@ -128,7 +128,6 @@ fn read_priority(n_layers: usize, l: usize, margin: f32, needed_now: bool) -> f3
 
 /// A generation's FFN through the neuron cache, for one model. Owned by the one thread that runs
 /// the model's sessions.
-#[derive(Debug)]
 pub struct StreamingFfn {
     sm: Arc<SparseModel>,
     policy: Policy,
@@ -151,6 +150,17 @@ pub struct StreamingFfn {
     ready: Vec<usize>,            // chunks of this layer ready to compute in this stage
     done: Vec<Completion>,        // completions being processed
     failed: Option<(ChunkId, String)>,
+}
+
+impl std::fmt::Debug for StreamingFfn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamingFfn")
+            .field("model", &self.sm.path)
+            .field("policy", &self.policy)
+            .field("cache", &self.cache.stats())
+            .field("io", &self.io.stats())
+            .finish_non_exhaustive()
+    }
 }
 
 impl StreamingFfn {
