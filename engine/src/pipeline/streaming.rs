@@ -453,34 +453,21 @@ impl FfnExecutor for StreamingFfn {
         for i in 0..self.needed.len() {
             self.cache.access(self.sm.layout.id(l, self.needed[i]));
         }
-        let mut waiting = Vec::new(); // chunks no slot could be had for yet
+        // Pin what is already here before any read of this layer can evict it.
+        self.take_ready(l);
         for i in 0..self.needed.len() {
             let c = self.needed[i];
-            let id = self.sm.layout.id(l, c);
             let p = read_priority(n_layers, l, self.margins[c], true);
-            if !self.request(id, p, true) {
-                waiting.push(c);
-            }
+            self.request(self.sm.layout.id(l, c), p, true);
         }
 
         // Stages: compute what is ready, then wait for arrivals. A serialised policy computes
-        // only once everything is in, unless it has to free slots for chunks still waiting.
+        // only once everything is in, unless it must free slots for chunks still unread.
+        self.failed = None;
         loop {
-            self.take_ready(l);
-            let all_in = self.needed.is_empty();
-            if self.policy.stream_compute || all_in || !waiting.is_empty() {
-                self.compute_ready(l, xn, out);
-            }
-            waiting.retain(|&c| {
-                let id = self.sm.layout.id(l, c);
-                let p = read_priority(n_layers, l, self.margins[c], true);
-                !self.request(id, p, true)
-            });
-            if self.needed.is_empty() && self.ready.is_empty() {
-                break;
-            }
             if let Some((c, e)) = self.failed.take()
                 && self.sm.layout.layer_of(c) == l
+                && self.needed.contains(&self.sm.layout.chunk_of(c))
             {
                 for &r in &self.ready {
                     self.cache.unpin(self.sm.layout.id(l, r));
@@ -494,7 +481,22 @@ impl FfnExecutor for StreamingFfn {
                     )),
                 ));
             }
+            let mut starved = false;
+            for i in 0..self.needed.len() {
+                let (c, id) = (self.needed[i], self.sm.layout.id(l, self.needed[i]));
+                if matches!(self.cache.lookup(id), Lookup::Absent) {
+                    let p = read_priority(n_layers, l, self.margins[c], true);
+                    starved |= !self.request(id, p, true);
+                }
+            }
+            if self.policy.stream_compute || self.needed.is_empty() || starved {
+                self.compute_ready(l, xn, out);
+            }
+            if self.needed.is_empty() && self.ready.is_empty() {
+                break;
+            }
             self.collect(true);
+            self.take_ready(l);
         }
 
         // Refined retention: cached chunks of this layer the exact selection passed over count
