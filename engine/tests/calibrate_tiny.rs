@@ -9,8 +9,8 @@ use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
 use leanstream_engine::model::gguf::writer::TinyLlama;
-use leanstream_engine::model::lsm::{self, LsmFile};
 use leanstream_engine::model::load_imported;
+use leanstream_engine::model::lsm::{self, LsmFile};
 use leanstream_engine::predict::PredictorKind;
 use leanstream_engine::quant::DType;
 
@@ -19,14 +19,21 @@ const TEXT: &str = "the cat sat on the mat and the dog sat on the log. a bird sa
 
 fn tiny_lsm(dir: &Path) -> PathBuf {
     let src = dir.join("tiny.gguf");
-    TinyLlama::new(5).write_gguf(&src, DType::Q4_1).expect("write gguf");
+    TinyLlama::new(5)
+        .write_gguf(&src, DType::Q4_1)
+        .expect("write gguf");
     let out = dir.join("tiny.lsm");
     let opts = lsm::ConvertOptions {
         chunk_neurons: 16,
         ..Default::default()
     };
-    lsm::convert(&load_imported(&src).expect("import"), &out, &opts, &mut |_, _| {})
-        .expect("convert");
+    lsm::convert(
+        &load_imported(&src).expect("import"),
+        &out,
+        &opts,
+        &mut |_, _| {},
+    )
+    .expect("convert");
     out
 }
 
@@ -93,11 +100,18 @@ fn calibration_round_trips_and_reordering_keeps_the_function() {
         // Reordered by frequency: stored order is hottest first.
         assert!(f.windows(2).all(|w| w[0] >= w[1]), "not sorted: {f:?}");
         let mean: f32 = f.iter().sum::<f32>() / 128.0;
-        assert!((mean - 0.6).abs() < 0.05, "active fraction {mean} at sparsity 0.4");
+        assert!(
+            (mean - 0.6).abs() < 0.05,
+            "active fraction {mean} at sparsity 0.4"
+        );
     }
     let perm = &f.header.ffn.permutation;
     assert_eq!(perm.len(), 2);
-    assert_ne!(perm[0], (0..128).collect::<Vec<u32>>(), "neurons were reordered");
+    assert_ne!(
+        perm[0],
+        (0..128).collect::<Vec<u32>>(),
+        "neurons were reordered"
+    );
 
     for kind in PredictorKind::ALL {
         let p = cal.predictor(kind).expect("predictor");
@@ -118,7 +132,10 @@ fn calibration_round_trips_and_reordering_keeps_the_function() {
     let model = Model::load(&src).expect("load");
     let ids = model.tokenizer.encode(TEXT).expect("encode");
     let (before, after) = (dense_ppl(&src, &ids), dense_ppl(&dst, &ids));
-    assert!((before - after).abs() < 1e-4, "NLL {before} vs reordered {after}");
+    assert!(
+        (before - after).abs() < 1e-4,
+        "NLL {before} vs reordered {after}"
+    );
 
     // Calibrating the calibrated file again composes the permutations.
     let again = dir.path().join("again.lsm");

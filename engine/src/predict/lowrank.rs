@@ -69,8 +69,8 @@ pub(crate) fn gate_svd(gate: &QRows) -> GateSvd {
 
 #[derive(Debug)]
 struct Layer {
-    v: Vec<u8>,         // (rank, d_model) f16, rows are right singular vectors
-    us: Vec<u8>,        // (n_ff, rank) f16, U_r S_r
+    v: Vec<u8>,           // (rank, d_model) f16, rows are right singular vectors
+    us: Vec<u8>,          // (n_ff, rank) f16, U_r S_r
     mean_abs_u: Vec<f32>, // (n_ff)
 }
 
@@ -85,7 +85,8 @@ pub struct LowRank {
 }
 
 fn f16_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(|x| half::f16::from_f32(x).to_le_bytes()).collect()
+    v.flat_map(|x| half::f16::from_f32(x).to_le_bytes())
+        .collect()
 }
 
 impl LowRank {
@@ -107,7 +108,11 @@ impl LowRank {
         let us = &svd.gate * v_r.transpose(); // (n_ff, r)
         self.layers.push(Layer {
             v: f16_bytes(svd.directions[..r * d].iter().copied()),
-            us: f16_bytes((0..self.n_ff).flat_map(|i| (0..r).map(move |j| (i, j))).map(|(i, j)| us[(i, j)])),
+            us: f16_bytes(
+                (0..self.n_ff)
+                    .flat_map(|i| (0..r).map(move |j| (i, j)))
+                    .map(|(i, j)| us[(i, j)]),
+            ),
             mean_abs_u: mean_abs_u.to_vec(),
         });
     }
@@ -123,8 +128,15 @@ impl LowRank {
                     .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                     .collect()
             };
-            out.push(CalTensor::f16(name("v"), Some(l), vec![r, d], &f16(&layer.v)));
-            out.push(CalTensor::f16(name("us"), Some(l), vec![n, r], &f16(&layer.us)).neuron_major());
+            out.push(CalTensor::f16(
+                name("v"),
+                Some(l),
+                vec![r, d],
+                &f16(&layer.v),
+            ));
+            out.push(
+                CalTensor::f16(name("us"), Some(l), vec![n, r], &f16(&layer.us)).neuron_major(),
+            );
             out.push(
                 CalTensor::f32(name("mean_abs_u"), Some(l), vec![n], &layer.mean_abs_u)
                     .neuron_major(),
@@ -147,8 +159,16 @@ impl LowRank {
         for l in 0..c.n_layers {
             let name = |s: &str| format!("lowrank.{l}.{s}");
             p.layers.push(Layer {
-                v: cal.tensor(&name("v"), CalDType::F16, &[r, d])?.data.as_slice().to_vec(),
-                us: cal.tensor(&name("us"), CalDType::F16, &[n, r])?.data.as_slice().to_vec(),
+                v: cal
+                    .tensor(&name("v"), CalDType::F16, &[r, d])?
+                    .data
+                    .as_slice()
+                    .to_vec(),
+                us: cal
+                    .tensor(&name("us"), CalDType::F16, &[n, r])?
+                    .data
+                    .as_slice()
+                    .to_vec(),
                 mean_abs_u: cal
                     .tensor(&name("mean_abs_u"), CalDType::F32, &[n])?
                     .to_f32(),
