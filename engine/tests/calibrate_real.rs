@@ -65,10 +65,14 @@ fn calibrate_the_real_model() {
         let meta = cal.predictor_meta(kind).expect("meta");
         let p = cal.predictor(kind).expect("predictor");
         assert_eq!(p.bytes(), meta.bytes);
-        // Measured on held-out text (seed-free, deterministic): recall near the 0.95 target
-        // while fetching fewer neurons than a random pick with that recall would (0.95).
+        // Measured on held-out text (deterministic; measured 0.93 / 0.90 for low-rank and
+        // 0.88 / 0.82 for hashing): recall near the 0.95 target, while fetching clearly fewer
+        // neurons than a random pick with the same recall would (a fraction equal to the recall).
         assert!(meta.heldout_recall > 0.85, "{meta:?}");
-        assert!(meta.heldout_fetch_fraction < 0.95, "{meta:?}");
+        assert!(
+            meta.heldout_fetch_fraction < meta.heldout_recall - 0.02,
+            "{meta:?}"
+        );
     }
 
     // The reordered file is the same model: same greedy tokens on the dense path.

@@ -250,9 +250,9 @@ pub fn calibrate(
         };
         thresholds.push(thr);
         let stats = layer::neuron_stats(&h, &abs_u, n_ff, thr);
-        let svd = crate::predict::gate_svd(&lw.ffn.gate);
-        lowrank.push_layer(&svd, &stats.mean_abs_u);
         let x = DMatrix::from_row_slice(xs.len() / d, d, &xs);
+        let svd = crate::predict::gate_svd(&lw.ffn.gate, &x);
+        lowrank.push_layer(&svd, &stats.mean_abs_u);
         hashing.push_layer(
             &svd,
             &x,

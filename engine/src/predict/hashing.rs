@@ -2,9 +2,9 @@
 //! in additive stages.
 //!
 //! Stage `s` of layer `l` hashes the layer input into `b` bits,
-//! `bit_k = sign(p_k · xn − o_k)`, where the projections `p_k` are right singular vectors
-//! `s·b .. (s+1)·b` of the gate matrix (the input directions that move the gate pre-activations
-//! most) and each offset `o_k` is the median of `p_k · xn` over the calibration tokens, so that
+//! `bit_k = sign(p_k · xn − o_k)`, where the projections `p_k` are the input directions
+//! `s·b .. (s+1)·b` of the gate's data-aware SVD (the directions that move the gate
+//! pre-activations most on calibration inputs, as in the low-rank predictor) and each offset `o_k` is the median of `p_k · xn` over the calibration tokens, so that
 //! every bit splits the calibration data in half (a balanced, maximum-entropy hash). Each neuron
 //! then has `b + 1` learned weights over the bits (the last one a bias), fitted in closed form by
 //! ridge regression of its activity indicator `[|h_i| > threshold]` on the ±1 bits; stage `s + 1`
@@ -15,7 +15,7 @@
 //! Relation to the LeanStream paper (DESIGN.md §5): its controller maps the hidden state through
 //! stacked learnable hash functions to neuron scores, cheap in memory and time next to an MLP
 //! predictor. This is that idea in its simplest closed-form version: the hash functions are
-//! learned from the data (projections from the gate's SVD, offsets from the calibration
+//! learned from the data (projections from the gate's data-aware SVD, offsets from the calibration
 //! distribution), the per-neuron weights are learned by regression, and stages are stacked
 //! additively (boosting-style) rather than trained end to end by gradient descent. Scoring costs
 //! `stages · b · d` multiply-adds for the hashes plus `stages · n_ff · (b + 1)` i8 additions, and
