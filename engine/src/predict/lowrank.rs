@@ -21,8 +21,9 @@ use crate::{Error, Result};
 /// Training settings of [`LowRank`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LowRankParams {
-    /// Rank of the gate factorisation. Default 48 (see the calibrate module docs for the
-    /// measurement behind it).
+    /// Rank of the gate factorisation. Default 48: on SmolLM2 at sparsity 0.4 it fetches ~0.92
+    /// of the neurons for recall 0.95 on held-out text, against ~0.78 with the exact gate
+    /// (rank 576), the ceiling of this score; not swept further yet.
     pub rank: usize,
 }
 
