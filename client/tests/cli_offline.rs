@@ -222,6 +222,80 @@ fn convert_then_run_the_lsm() {
 }
 
 #[test]
+fn calibrate_reorder_then_run_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = tiny(dir.path());
+    let lsm = dir.path().join("tiny.lsm");
+    let (src, lsm_s) = (src.to_str().unwrap(), lsm.to_str().unwrap());
+    assert!(
+        leanstream(&["convert", src, "-o", lsm_s, "--chunk-neurons", "8"])
+            .status
+            .success()
+    );
+    let text = dir.path().join("calib.txt");
+    std::fs::write(
+        &text,
+        "the cat sat on the mat and the dog ran after it. ".repeat(8),
+    )
+    .unwrap();
+    let eval = dir.path().join("eval.txt");
+    std::fs::write(
+        &eval,
+        "a bird sang in a tree by the river at noon. ".repeat(4),
+    )
+    .unwrap();
+    let cal = dir.path().join("cal.lsm");
+    let (t, e, c) = (
+        text.to_str().unwrap(),
+        eval.to_str().unwrap(),
+        cal.to_str().unwrap(),
+    );
+    let out = leanstream(&[
+        "calibrate",
+        lsm_s,
+        "--text",
+        t,
+        "--eval-text",
+        e,
+        "--reorder",
+        "-o",
+        c,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "held-out perplexity",
+        "lowrank",
+        "hashing",
+        "reordering by frequency",
+    ] {
+        assert!(report.contains(want), "no {want:?} in {report}");
+    }
+    let run = |m: &str| {
+        ids(&ok_json(&[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "abc def",
+            "--max-tokens",
+            "6",
+            "--json",
+        ])["ids"])
+    };
+    assert_eq!(run(lsm_s), run(c));
+
+    let e = err_text(&["calibrate", src, "-o", c]);
+    assert!(e.contains("tiny.gguf"), "{e}");
+    let e = err_text(&["calibrate", lsm_s, "--text", "/no/such/text.txt"]);
+    assert!(e.contains("/no/such/text.txt"), "{e}");
+}
+
+#[test]
 fn bad_input_gets_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny(dir.path());

@@ -22,7 +22,11 @@ pub struct CalibrateArgs {
     /// Most calibration tokens.
     #[arg(long, default_value_t = CalibrateOptions::default().max_tokens)]
     pub tokens: usize,
-    /// Most held-out tokens for the measurements (built-in `data/text/heldout-eval.txt`).
+    /// Held-out text for the measurements (UTF-8; must not overlap the calibration text).
+    /// Default: the built-in `data/text/heldout-eval.txt`.
+    #[arg(long)]
+    pub eval_text: Option<PathBuf>,
+    /// Most held-out tokens for the measurements.
     #[arg(long, default_value_t = CalibrateOptions::default().eval_tokens)]
     pub eval_tokens: usize,
     /// Reorder neurons by activation frequency (hot neurons share chunks).
@@ -62,6 +66,11 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
             calibrate::BUILTIN_TEXT_SOURCE.to_string(),
         ),
     };
+    let eval_text = match &args.eval_text {
+        Some(p) => std::fs::read_to_string(p)
+            .with_context(|| format!("reading held-out text {}", p.display()))?,
+        None => calibrate::HELDOUT_TEXT.to_string(),
+    };
     let defaults = CalibrateOptions::default();
     let opts = CalibrateOptions {
         sparsity: args.sparsity,
@@ -88,7 +97,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         &args.model,
         &dst,
         &text,
-        calibrate::HELDOUT_TEXT,
+        &eval_text,
         &opts,
         &mut |stage, done, total| {
             bar.set_message(match stage {

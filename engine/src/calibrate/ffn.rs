@@ -2,9 +2,9 @@
 //! and a collector that records every token's normalised FFN input.
 
 use super::window::FfnExecutor;
+use crate::Result;
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
 use crate::model::{Down, FfnActivation, LayerWeights, ModelConfig};
-use crate::Result;
 
 /// The dense FFN of one token with preallocated buffers.
 #[derive(Debug)]
@@ -13,8 +13,8 @@ pub struct DenseFfn {
     d_model: usize,
     /// `h = act(gate·xn) * (up·xn)` of the last token (`n_ff`).
     pub h: Vec<f32>,
-    up: Vec<f32>,         // (n_ff)
-    partials: Vec<f32>,   // (n_parts, d_model)
+    up: Vec<f32>,       // (n_ff)
+    partials: Vec<f32>, // (n_parts, d_model)
     acts: QuantizedActs,
 }
 
@@ -36,7 +36,13 @@ impl DenseFfn {
     pub fn activations(&mut self, layer: &LayerWeights, xn: &[f32]) {
         let k = Kernels::best();
         let x = k.prepare(xn, Precision::Exact, &mut self.acts);
-        k.matvecs(x, [(&layer.ffn.gate, &mut self.h[..]), (&layer.ffn.up, &mut self.up[..])]);
+        k.matvecs(
+            x,
+            [
+                (&layer.ffn.gate, &mut self.h[..]),
+                (&layer.ffn.up, &mut self.up[..]),
+            ],
+        );
         let act = self.activation;
         for (h, u) in self.h.iter_mut().zip(&self.up) {
             *h = act.apply(*h) * u;

@@ -85,7 +85,9 @@ pub(crate) fn neuron_stats(h: &[f32], abs_u: &[f32], n_ff: usize, thr: f32) -> N
 /// The `(tokens, n_ff)` 0/1 activity matrix of `h` at `thr`.
 pub(crate) fn active_matrix(h: &[f32], n_ff: usize, thr: f32) -> DMatrix<f32> {
     let n = h.len() / n_ff;
-    DMatrix::from_fn(n, n_ff, |t, i| f32::from(u8::from(h[t * n_ff + i].abs() > thr)))
+    DMatrix::from_fn(n, n_ff, |t, i| {
+        f32::from(u8::from(h[t * n_ff + i].abs() > thr))
+    })
 }
 
 /// Recorded tokens of one layer: inputs `xs` (`(tokens, d_model)`) and activations `h`

@@ -185,10 +185,16 @@ fn check(opts: &CalibrateOptions) -> Result<()> {
         return bad("sparsity", format!("{} is outside [0, 1)", opts.sparsity));
     }
     if !(opts.target_recall > 0.0 && opts.target_recall <= 1.0) {
-        return bad("target_recall", format!("{} is outside (0, 1]", opts.target_recall));
+        return bad(
+            "target_recall",
+            format!("{} is outside (0, 1]", opts.target_recall),
+        );
     }
     if opts.max_tokens < 2 || opts.eval_tokens < 2 {
-        return bad("tokens", "at least 2 calibration and 2 held-out tokens".into());
+        return bad(
+            "tokens",
+            "at least 2 calibration and 2 held-out tokens".into(),
+        );
     }
     Ok(())
 }
@@ -218,7 +224,9 @@ pub fn calibrate(
 
     let mut fwd = WindowForward::new(&w, window)?;
     let mut calib = Collector::new(c, ids.len());
-    run_windows(&mut fwd, &ids, &mut calib, &mut |i, n| progress(Stage::Collect, i, n))?;
+    run_windows(&mut fwd, &ids, &mut calib, &mut |i, n| {
+        progress(Stage::Collect, i, n)
+    })?;
     let mut held = Collector::new(c, eval_ids.len());
     let (dense_nll, dense_n) = run_windows(&mut fwd, &eval_ids, &mut held, &mut |_, _| {})?;
 
@@ -242,11 +250,21 @@ pub fn calibrate(
         };
         thresholds.push(thr);
         let stats = layer::neuron_stats(&h, &abs_u, n_ff, thr);
-        let svd = crate::predict::gate_svd(&lw.ffn.gate);
-        lowrank.push_layer(&svd, &stats.mean_abs_u);
         let x = DMatrix::from_row_slice(xs.len() / d, d, &xs);
-        hashing.push_layer(&svd, &x, &layer::active_matrix(&h, n_ff, thr), opts.hashing.ridge);
-        let rec = layer::Recorded { xs: &xs, h: &h, d_model: d, n_ff };
+        let svd = crate::predict::gate_svd(&lw.ffn.gate, &x);
+        lowrank.push_layer(&svd, &stats.mean_abs_u);
+        hashing.push_layer(
+            &svd,
+            &x,
+            &layer::active_matrix(&h, n_ff, thr),
+            opts.hashing.ridge,
+        );
+        let rec = layer::Recorded {
+            xs: &xs,
+            h: &h,
+            d_model: d,
+            n_ff,
+        };
         let predictors: [&dyn Predictor; 2] = [&lowrank, &hashing];
         for (j, p) in predictors.iter().enumerate() {
             cutoffs[j].push(layer::cutoff(*p, l, rec, thr, opts.target_recall));
@@ -255,7 +273,12 @@ pub fn calibrate(
         // Held-out measurements of this layer.
         let xs_eval = held.layer_f32(l);
         let (h_eval, _) = layer::activations(lw, c.activation, &xs_eval);
-        let rec = layer::Recorded { xs: &xs_eval, h: &h_eval, d_model: d, n_ff };
+        let rec = layer::Recorded {
+            xs: &xs_eval,
+            h: &h_eval,
+            d_model: d,
+            n_ff,
+        };
         for (j, p) in predictors.iter().enumerate() {
             spent[j] += layer::measure(*p, l, rec, thr, cutoffs[j][l], &mut counters[j]);
         }
@@ -288,9 +311,21 @@ pub fn calibrate(
         .enumerate()
         .map(|(j, &kind)| PredictorMeta {
             kind: Some(kind),
-            rank: if kind == PredictorKind::LowRank { lowrank.rank() } else { 0 },
-            bits: if kind == PredictorKind::Hashing { hashing.shape().0 } else { 0 },
-            stages: if kind == PredictorKind::Hashing { hashing.shape().1 } else { 0 },
+            rank: if kind == PredictorKind::LowRank {
+                lowrank.rank()
+            } else {
+                0
+            },
+            bits: if kind == PredictorKind::Hashing {
+                hashing.shape().0
+            } else {
+                0
+            },
+            stages: if kind == PredictorKind::Hashing {
+                hashing.shape().1
+            } else {
+                0
+            },
             bytes: [lowrank.bytes(), hashing.bytes()][j],
             target_recall: opts.target_recall,
             cutoffs: cutoffs[j].clone(),
@@ -320,8 +355,7 @@ pub fn calibrate(
         heldout_ppl_dense: dense.ppl() as f32,
         heldout_ppl_thresholded: thresholded.ppl() as f32,
     };
-    let file_bytes =
-        write_calibrated(&file, dst, calibration, tensors, reorder_perm.as_deref())?;
+    let file_bytes = write_calibrated(&file, dst, calibration, tensors, reorder_perm.as_deref())?;
     progress(Stage::Write, 1, 1);
     Ok(CalibrateReport {
         calibration_tokens: calib.tokens(),

@@ -159,12 +159,21 @@ impl<'w> WindowForward<'w> {
         let c = &self.w.config;
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let k = self.kernels;
-        for (xn, x) in self.xn.chunks_exact_mut(d).zip(self.x.chunks_exact(d)).take(n) {
+        for (xn, x) in self
+            .xn
+            .chunks_exact_mut(d)
+            .zip(self.x.chunks_exact(d))
+            .take(n)
+        {
             cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
         }
         for s in (0..n).step_by(BATCH) {
             let m = BATCH.min(n - s);
-            let x = k.prepare(&self.xn[s * d..(s + m) * d], Precision::Exact, &mut self.acts);
+            let x = k.prepare(
+                &self.xn[s * d..(s + m) * d],
+                Precision::Exact,
+                &mut self.acts,
+            );
             k.matmats(
                 x,
                 m,
@@ -184,7 +193,11 @@ impl<'w> WindowForward<'w> {
             let q = &mut self.q[t * q_dim..(t + 1) * q_dim];
             let kk = &mut self.k[t * kv_dim..(t + 1) * kv_dim];
             let v = &mut self.v[t * kv_dim..(t + 1) * kv_dim];
-            for (buf, bias) in [(&mut *q, &layer.bq), (&mut *kk, &layer.bk), (&mut *v, &layer.bv)] {
+            for (buf, bias) in [
+                (&mut *q, &layer.bq),
+                (&mut *kk, &layer.bk),
+                (&mut *v, &layer.bv),
+            ] {
                 if let Some(b) = bias {
                     cpu::add_inplace(buf, b);
                 }
@@ -229,7 +242,11 @@ impl<'w> WindowForward<'w> {
         });
         for s in (0..n).step_by(BATCH) {
             let m = BATCH.min(n - s);
-            let x = k.prepare(&self.att[s * q_dim..(s + m) * q_dim], Precision::Exact, &mut self.acts);
+            let x = k.prepare(
+                &self.att[s * q_dim..(s + m) * q_dim],
+                Precision::Exact,
+                &mut self.acts,
+            );
             k.matmats(x, m, [(&layer.wo, &mut self.proj[s * d..(s + m) * d])]);
         }
         cpu::add_inplace(&mut self.x[..n * d], &self.proj[..n * d]);

@@ -2,9 +2,9 @@
 //! in additive stages.
 //!
 //! Stage `s` of layer `l` hashes the layer input into `b` bits,
-//! `bit_k = sign(p_k · xn − o_k)`, where the projections `p_k` are right singular vectors
-//! `s·b .. (s+1)·b` of the gate matrix (the input directions that move the gate pre-activations
-//! most) and each offset `o_k` is the median of `p_k · xn` over the calibration tokens, so that
+//! `bit_k = sign(p_k · xn − o_k)`, where the projections `p_k` are the input directions
+//! `s·b .. (s+1)·b` of the gate's data-aware SVD (the directions that move the gate
+//! pre-activations most on calibration inputs, as in the low-rank predictor) and each offset `o_k` is the median of `p_k · xn` over the calibration tokens, so that
 //! every bit splits the calibration data in half (a balanced, maximum-entropy hash). Each neuron
 //! then has `b + 1` learned weights over the bits (the last one a bias), fitted in closed form by
 //! ridge regression of its activity indicator `[|h_i| > threshold]` on the ±1 bits; stage `s + 1`
@@ -15,7 +15,7 @@
 //! Relation to the LeanStream paper (DESIGN.md §5): its controller maps the hidden state through
 //! stacked learnable hash functions to neuron scores, cheap in memory and time next to an MLP
 //! predictor. This is that idea in its simplest closed-form version: the hash functions are
-//! learned from the data (projections from the gate's SVD, offsets from the calibration
+//! learned from the data (projections from the gate's data-aware SVD, offsets from the calibration
 //! distribution), the per-neuron weights are learned by regression, and stages are stacked
 //! additively (boosting-style) rather than trained end to end by gradient descent. Scoring costs
 //! `stages · b · d` multiply-adds for the hashes plus `stages · n_ff · (b + 1)` i8 additions, and
@@ -93,7 +93,13 @@ impl Hashing {
 
     /// Fits the next layer. `xs` holds the calibration inputs (`n_tokens × d_model`, token-major)
     /// and `active` the targets (`n_tokens × n_ff`, 1 where the neuron was active, else 0).
-    pub(crate) fn push_layer(&mut self, svd: &GateSvd, xs: &DMatrix<f32>, active: &DMatrix<f32>, ridge: f32) {
+    pub(crate) fn push_layer(
+        &mut self,
+        svd: &GateSvd,
+        xs: &DMatrix<f32>,
+        active: &DMatrix<f32>,
+        ridge: f32,
+    ) {
         let (b, d, n) = (self.bits, self.d_model, xs.nrows());
         let mut residual = active.clone();
         let mut stages = Vec::with_capacity(self.stages);
@@ -101,9 +107,15 @@ impl Hashing {
             let dirs = &svd.directions[s * b * d..(s + 1) * b * d];
             let p = DMatrix::<f32>::from_row_slice(b, d, dirs);
             let z = xs * p.transpose(); // (n, b)
-            let offset: Vec<f32> = (0..b).map(|k| median(z.column(k).iter().copied().collect())).collect();
+            let offset: Vec<f32> = (0..b)
+                .map(|k| median(z.column(k).iter().copied().collect()))
+                .collect();
             let f = DMatrix::<f32>::from_fn(n, b + 1, |t, k| {
-                if k == b || z[(t, k)] >= offset[k] { 1.0 } else { -1.0 }
+                if k == b || z[(t, k)] >= offset[k] {
+                    1.0
+                } else {
+                    -1.0
+                }
             });
             let ft = f.transpose();
             let mut a = (&ft * &f).map(f64::from);
@@ -131,7 +143,10 @@ impl Hashing {
             }
             residual -= &f * deq;
             stages.push(Stage {
-                proj: dirs.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+                proj: dirs
+                    .iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                    .collect(),
                 offset,
                 w: wq,
                 scale,
@@ -168,11 +183,18 @@ impl Hashing {
         if b == 0 || meta.stages == 0 || b.saturating_mul(meta.stages) > d {
             return Err(Error::invalid_file(
                 &cal.path,
-                format!("hashing predictor with {} stages of {b} bits does not fit d_model {d}", meta.stages),
+                format!(
+                    "hashing predictor with {} stages of {b} bits does not fit d_model {d}",
+                    meta.stages
+                ),
             ));
         }
         let mut p = Hashing::new(
-            HashingParams { bits: b, stages: meta.stages, ridge: 0.0 },
+            HashingParams {
+                bits: b,
+                stages: meta.stages,
+                ridge: 0.0,
+            },
             d,
             n,
         );
@@ -181,7 +203,11 @@ impl Hashing {
             for s in 0..meta.stages {
                 let name = |x: &str| format!("hashing.{l}.{s}.{x}");
                 stages.push(Stage {
-                    proj: cal.tensor(&name("proj"), CalDType::F16, &[b, d])?.data.as_slice().to_vec(),
+                    proj: cal
+                        .tensor(&name("proj"), CalDType::F16, &[b, d])?
+                        .data
+                        .as_slice()
+                        .to_vec(),
                     offset: cal.tensor(&name("offset"), CalDType::F32, &[b])?.to_f32(),
                     w: cal
                         .tensor(&name("w"), CalDType::I8, &[n, b + 1])?
@@ -224,7 +250,11 @@ impl Predictor for Hashing {
             bits[b] = 1;
             let bits = &*bits;
             for ((o, w), &sc) in out.iter_mut().zip(st.w.chunks_exact(b + 1)).zip(&st.scale) {
-                let acc: i32 = w.iter().zip(bits).map(|(&w, &x)| i32::from(w) * i32::from(x)).sum();
+                let acc: i32 = w
+                    .iter()
+                    .zip(bits)
+                    .map(|(&w, &x)| i32::from(w) * i32::from(x))
+                    .sum();
                 *o += sc * acc as f32;
             }
         }

@@ -1,14 +1,13 @@
-//! The low-rank predictor: a truncated SVD of each layer's gate matrix.
+//! The low-rank predictor: a truncated, data-aware SVD of each layer's gate matrix.
 //!
-//! With `W_gate = U S Vᵀ` (`n_ff × d`), the rank-`r` approximation of the gate pre-activation is
-//! `g̃ = (U_r S_r) (V_rᵀ xn)`: `r·d + n_ff·r` multiply-adds instead of `n_ff·d`. The score of
-//! neuron `i` is `|act(g̃_i)| · mean|u_i|`, the predicted `|h_i|` with the up projection replaced
-//! by its calibrated mean magnitude (the up row is not approximated, which halves the tables; a
-//! neuron's `|u|` varies far less across tokens than `act(g)` does).
+//! The gate pre-activation is approximated at rank `r` as `g̃ = left_r · (right_r · xn)`:
+//! `r·d + n_ff·r` multiply-adds instead of `n_ff·d`. The factors are the truncated SVD of the
+//! gate matrix weighted by the calibration inputs' covariance (see [`gate_svd`]), which for
+//! white inputs is the plain SVD `U_r S_r · V_rᵀ`. The score of neuron `i` is
+//! `|act(g̃_i)| · mean|u_i|`: the predicted `|h_i|` with the up projection replaced by its
+//! calibrated mean magnitude (approximating the up rows too would double the tables).
 //!
-//! Tables are stored as f16: `V_rᵀ` (`r × d`), `U_r S_r` (`n_ff × r`), and `mean|u|` as f32.
-//! The SVD comes from the symmetric eigendecomposition of `W_gateᵀ W_gate` (`d × d`, nalgebra),
-//! which is much cheaper than a full SVD of the `n_ff × d` matrix and gives the same `V` and `S²`.
+//! Tables are stored as f16: `right_r` (`r × d`), `left_r` (`n_ff × r`), and `mean|u|` as f32.
 
 use nalgebra::{DMatrix, SymmetricEigen};
 
@@ -22,8 +21,9 @@ use crate::{Error, Result};
 /// Training settings of [`LowRank`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LowRankParams {
-    /// Rank of the gate factorisation. Default 48 (see the calibrate module docs for the
-    /// measurement behind it).
+    /// Rank of the gate factorisation. Default 48: on SmolLM2 at sparsity 0.4 it fetches ~0.92
+    /// of the neurons for recall 0.95 on held-out text, against ~0.78 with the exact gate
+    /// (rank 576), the ceiling of this score; not swept further yet.
     pub rank: usize,
 }
 
@@ -33,44 +33,76 @@ impl Default for LowRankParams {
     }
 }
 
-/// The right singular vectors of one gate matrix, largest singular value first.
+/// A data-aware factorisation of one gate matrix: `W_gate x ≈ left · (right · x)` with the
+/// factors ordered by importance, so that their first `r` columns / rows are the best rank-`r`
+/// approximation of the gate pre-activations over the calibration inputs.
 #[derive(Debug)]
 pub(crate) struct GateSvd {
-    /// `d × d`, row `j` is the `j`-th right singular vector.
+    /// `(d, d)` row-major: row `j` is the `j`-th input direction.
     pub directions: Vec<f32>,
-    /// The dequantised gate matrix, `n_ff × d` row-major.
-    pub gate: DMatrix<f32>,
+    /// `(n_ff, d)`: column `j` is what direction `j` contributes to each neuron's gate.
+    pub left: DMatrix<f32>,
 }
 
-/// SVD of a gate matrix via the eigendecomposition of `Wᵀ W`.
-pub(crate) fn gate_svd(gate: &QRows) -> GateSvd {
+/// Factorises `gate` for inputs distributed like the rows of `xs` (`(tokens, d)`).
+///
+/// Minimising `E‖W x − A x‖²` over rank-`r` matrices `A`, with `E[x xᵀ] = L Lᵀ`, is the
+/// truncated SVD of `B = W L`: `A = U_r S_r V_rᵀ L⁻¹`, so `left = B V` and
+/// `directions = (L⁻ᵀ V)ᵀ`. `V` comes from the symmetric eigendecomposition of
+/// `Bᵀ B = Lᵀ Wᵀ W L` (`d × d`, nalgebra), much cheaper than an SVD of the `n_ff × d` matrix. A
+/// small ridge (1e-3 of the mean input energy) keeps `L` invertible. Plain SVD of `W` is the
+/// special case of white inputs; on SmolLM2 (rank 48, sparsity 0.4) the data-aware factors
+/// fetch far fewer neurons at the same recall, because the normalised FFN inputs are strongly
+/// anisotropic.
+pub(crate) fn gate_svd(gate: &QRows, xs: &DMatrix<f32>) -> GateSvd {
     let (n, d) = (gate.rows, gate.cols);
     let mut row = vec![0f32; d];
-    let mut w = DMatrix::<f32>::zeros(n, d);
+    let mut w = DMatrix::<f64>::zeros(n, d);
     for i in 0..n {
         gate.dequantize_row(i, &mut row);
         for (j, &v) in row.iter().enumerate() {
-            w[(i, j)] = v;
+            w[(i, j)] = f64::from(v);
         }
     }
-    let gram = w.transpose() * &w;
-    let eig = SymmetricEigen::new(gram.map(f64::from));
-    let mut order: Vec<usize> = (0..d).collect();
-    order.sort_by(|&a, &b| eig.eigenvalues[b].total_cmp(&eig.eigenvalues[a]));
-    let mut directions = Vec::with_capacity(d * d);
-    for &j in &order {
-        directions.extend(eig.eigenvectors.column(j).iter().map(|&v| v as f32));
+    let x = xs.map(f64::from);
+    let tokens = x.nrows().max(1) as f64;
+    let mut cov = x.transpose() * &x / tokens;
+    let ridge = 1e-3 * cov.trace() / d as f64 + 1e-12;
+    for j in 0..d {
+        cov[(j, j)] += ridge;
     }
+    let l = match cov.cholesky() {
+        Some(ch) => ch.l(),
+        None => DMatrix::identity(d, d), // unreachable: the ridge makes it positive definite
+    };
+    let b = &w * &l;
+    let eig = SymmetricEigen::new(b.transpose() * &b);
+    let mut order: Vec<usize> = (0..d).collect();
+    order.sort_by(|&a, &c| eig.eigenvalues[c].total_cmp(&eig.eigenvalues[a]));
+    let v = DMatrix::from_fn(d, d, |i, j| eig.eigenvectors[(i, order[j])]);
+    let right = l
+        .transpose()
+        .solve_upper_triangular(&v)
+        .unwrap_or_else(|| v.clone()); // (d, d): column j is direction j
+    let directions = (0..d)
+        .flat_map(|j| {
+            right
+                .column(j)
+                .iter()
+                .map(|&v| v as f32)
+                .collect::<Vec<_>>()
+        })
+        .collect();
     GateSvd {
         directions,
-        gate: w,
+        left: (b * v).map(|v| v as f32),
     }
 }
 
 #[derive(Debug)]
 struct Layer {
-    v: Vec<u8>,         // (rank, d_model) f16, rows are right singular vectors
-    us: Vec<u8>,        // (n_ff, rank) f16, U_r S_r
+    v: Vec<u8>,           // (rank, d_model) f16, rows are right singular vectors
+    us: Vec<u8>,          // (n_ff, rank) f16, U_r S_r
     mean_abs_u: Vec<f32>, // (n_ff)
 }
 
@@ -85,7 +117,8 @@ pub struct LowRank {
 }
 
 fn f16_bytes(v: impl Iterator<Item = f32>) -> Vec<u8> {
-    v.flat_map(|x| half::f16::from_f32(x).to_le_bytes()).collect()
+    v.flat_map(|x| half::f16::from_f32(x).to_le_bytes())
+        .collect()
 }
 
 impl LowRank {
@@ -103,11 +136,14 @@ impl LowRank {
     /// Fits the next layer from its gate SVD and the calibrated per-neuron `mean|u|`.
     pub(crate) fn push_layer(&mut self, svd: &GateSvd, mean_abs_u: &[f32]) {
         let (r, d) = (self.rank, self.d_model);
-        let v_r = DMatrix::<f32>::from_row_slice(r, d, &svd.directions[..r * d]);
-        let us = &svd.gate * v_r.transpose(); // (n_ff, r)
+        let us = &svd.left; // (n_ff, d), the first r columns used
         self.layers.push(Layer {
             v: f16_bytes(svd.directions[..r * d].iter().copied()),
-            us: f16_bytes((0..self.n_ff).flat_map(|i| (0..r).map(move |j| (i, j))).map(|(i, j)| us[(i, j)])),
+            us: f16_bytes(
+                (0..self.n_ff)
+                    .flat_map(|i| (0..r).map(move |j| (i, j)))
+                    .map(|(i, j)| us[(i, j)]),
+            ),
             mean_abs_u: mean_abs_u.to_vec(),
         });
     }
@@ -123,8 +159,15 @@ impl LowRank {
                     .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                     .collect()
             };
-            out.push(CalTensor::f16(name("v"), Some(l), vec![r, d], &f16(&layer.v)));
-            out.push(CalTensor::f16(name("us"), Some(l), vec![n, r], &f16(&layer.us)).neuron_major());
+            out.push(CalTensor::f16(
+                name("v"),
+                Some(l),
+                vec![r, d],
+                &f16(&layer.v),
+            ));
+            out.push(
+                CalTensor::f16(name("us"), Some(l), vec![n, r], &f16(&layer.us)).neuron_major(),
+            );
             out.push(
                 CalTensor::f32(name("mean_abs_u"), Some(l), vec![n], &layer.mean_abs_u)
                     .neuron_major(),
@@ -147,8 +190,16 @@ impl LowRank {
         for l in 0..c.n_layers {
             let name = |s: &str| format!("lowrank.{l}.{s}");
             p.layers.push(Layer {
-                v: cal.tensor(&name("v"), CalDType::F16, &[r, d])?.data.as_slice().to_vec(),
-                us: cal.tensor(&name("us"), CalDType::F16, &[n, r])?.data.as_slice().to_vec(),
+                v: cal
+                    .tensor(&name("v"), CalDType::F16, &[r, d])?
+                    .data
+                    .as_slice()
+                    .to_vec(),
+                us: cal
+                    .tensor(&name("us"), CalDType::F16, &[n, r])?
+                    .data
+                    .as_slice()
+                    .to_vec(),
                 mean_abs_u: cal
                     .tensor(&name("mean_abs_u"), CalDType::F32, &[n])?
                     .to_f32(),

@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 pub use cutoff::{RecallCounter, cutoff_for_recall};
 pub use hashing::{Hashing, HashingParams};
-pub use lowrank::{LowRank, LowRankParams};
 pub(crate) use lowrank::gate_svd;
+pub use lowrank::{LowRank, LowRankParams};
 
 /// Which predictor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

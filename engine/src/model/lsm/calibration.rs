@@ -120,7 +120,13 @@ pub struct CalTensor {
 impl CalTensor {
     /// An f32 tensor.
     pub fn f32(name: String, layer: Option<usize>, shape: Vec<usize>, v: &[f32]) -> CalTensor {
-        CalTensor::new(name, CalDType::F32, layer, shape, v.iter().flat_map(|x| x.to_le_bytes()))
+        CalTensor::new(
+            name,
+            CalDType::F32,
+            layer,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()),
+        )
     }
 
     /// An f16 tensor (values rounded to nearest).
@@ -168,7 +174,12 @@ impl CalTensor {
     /// Panics unless `perm` has one entry per row (an internal invariant of the caller).
     pub fn permute_rows(&mut self, perm: &[u32]) {
         let rows = self.shape.first().copied().unwrap_or(0);
-        assert_eq!(perm.len(), rows, "tensor `{}`: permutation length", self.name);
+        assert_eq!(
+            perm.len(),
+            rows,
+            "tensor `{}`: permutation length",
+            self.name
+        );
         let rb = self.bytes.len() / rows.max(1);
         let mut out = Vec::with_capacity(self.bytes.len());
         for &p in perm {
@@ -265,7 +276,10 @@ impl CalibrationData {
     /// The tensor `name`, checked to have `dtype` and `shape`.
     pub fn tensor(&self, name: &str, dtype: CalDType, shape: &[usize]) -> Result<&CalTensorView> {
         let t = self.tensors.get(name).ok_or_else(|| {
-            Error::invalid_file(&self.path, format!("calibration tensor `{name}` is missing"))
+            Error::invalid_file(
+                &self.path,
+                format!("calibration tensor `{name}` is missing"),
+            )
         })?;
         if t.dtype != dtype || t.shape != shape {
             return Err(Error::invalid_file(
@@ -325,7 +339,9 @@ impl LsmFile {
             )));
         }
         if let Some(t) = meta.thresholds.iter().find(|t| !t.is_finite() || **t < 0.0) {
-            return Err(bad(format!("calibration threshold {t} is not a non-negative number")));
+            return Err(bad(format!(
+                "calibration threshold {t} is not a non-negative number"
+            )));
         }
         let mut tensors = BTreeMap::new();
         for e in &meta.tensors {

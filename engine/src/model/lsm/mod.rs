@@ -36,8 +36,7 @@ use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
 
 pub use calibration::{
-    CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData,
-    PredictorMeta,
+    CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData, PredictorMeta,
 };
 pub use rewrite::write_calibrated;
 pub use write::{ConvertOptions, ConvertReport, convert};

@@ -24,7 +24,10 @@ fn check_reorder(reorder: &[Vec<u32>], n_layers: usize, n_ff: usize) -> Result<(
         reason,
     };
     if reorder.len() != n_layers {
-        return Err(bad(format!("{} layers, the model has {n_layers}", reorder.len())));
+        return Err(bad(format!(
+            "{} layers, the model has {n_layers}",
+            reorder.len()
+        )));
     }
     for (l, p) in reorder.iter().enumerate() {
         let mut seen = vec![false; n_ff];
@@ -54,10 +57,13 @@ pub fn write_calibrated(
     if let Some(q) = reorder {
         check_reorder(q, c.n_layers, c.n_ff)?;
         for t in tensors.iter_mut().filter(|t| t.neuron_major) {
-            let l = t.layer.filter(|&l| l < c.n_layers).ok_or_else(|| Error::InvalidArgument {
-                arg: "tensors",
-                reason: format!("neuron-major tensor `{}` names no layer", t.name),
-            })?;
+            let l = t
+                .layer
+                .filter(|&l| l < c.n_layers)
+                .ok_or_else(|| Error::InvalidArgument {
+                    arg: "tensors",
+                    reason: format!("neuron-major tensor `{}` names no layer", t.name),
+                })?;
             if t.shape.first() != Some(&c.n_ff) {
                 return Err(Error::InvalidArgument {
                     arg: "tensors",
@@ -72,7 +78,13 @@ pub fn write_calibrated(
             .enumerate()
             .map(|(l, ql)| {
                 ql.iter()
-                    .map(|&k| if old.is_empty() { k } else { old[l][k as usize] })
+                    .map(|&k| {
+                        if old.is_empty() {
+                            k
+                        } else {
+                            old[l][k as usize]
+                        }
+                    })
                     .collect()
             })
             .collect();
