@@ -2,6 +2,8 @@
 //! pass; bad budgets, uncalibrated files and failing reads give clear errors, and a failed read
 //! ends only the token that needed it.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::Arc;
@@ -71,7 +73,10 @@ fn every_mode_with_sparsity_off_equals_the_dense_forward_pass() {
         assert_eq!(ids, dense_ids, "{mode}: greedy ids");
         let stats = exec.stats();
         if mode.uses_cache() {
-            assert!(stats.misses > 0 && stats.bytes_read > 0, "{mode}: {stats:?}");
+            assert!(
+                stats.misses > 0 && stats.bytes_read > 0,
+                "{mode}: {stats:?}"
+            );
             assert_eq!(stats.hits + stats.misses, stats.chunks_needed, "{mode}");
         }
     }
@@ -104,9 +109,16 @@ fn a_failing_read_ends_that_token_with_an_error_and_the_pipeline_goes_on() {
     let policy = Policy::for_mode(Mode::OnDemand).unwrap();
     let selector = Selector::new(sm.scorer(None).unwrap(), sm.layout.n_ff);
     let budget = sm.layout.streamed_bytes();
-    let ffn = StreamingFfn::new(Arc::clone(&sm), selector, policy, budget, Box::new(io), Precision::Exact)
-        .unwrap();
-    let mut exec = Executor::Streaming(ffn);
+    let ffn = StreamingFfn::new(
+        Arc::clone(&sm),
+        selector,
+        policy,
+        budget,
+        Box::new(io),
+        Precision::Exact,
+    )
+    .unwrap();
+    let mut exec = Executor::Streaming(Box::new(ffn));
     let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
     let err = s.forward_with(PROMPT[0], &mut exec).unwrap_err();
     assert!(err.to_string().contains("chunk"), "{err}");

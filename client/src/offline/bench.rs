@@ -22,7 +22,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Comma-separated modes: dense, mmap, on-demand, prefetch, leanstream.
-    #[arg(long, value_delimiter = ',', default_value = "dense,mmap,on-demand,prefetch,leanstream")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "dense,mmap,on-demand,prefetch,leanstream"
+    )]
     pub modes: Vec<Mode>,
     /// Comma-separated neuron-cache sizes as percentages of the streamed FFN bytes.
     #[arg(long, value_delimiter = ',', default_value = "5%,10%,20%,25%,50%", value_parser = parse_percent)]
@@ -68,7 +72,10 @@ fn parse_percent(s: &str) -> Result<f64, String> {
         Some(n) => (n, true),
         None => (t, false),
     };
-    let v: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a percentage"))?;
     let f = if percent || v > 1.0 { v / 100.0 } else { v };
     if !(f > 0.0 && f <= 1.0) {
         return Err(format!("`{s}` is outside (0 %, 100 %]"));
@@ -85,7 +92,8 @@ fn parse_predictor(s: &str) -> Result<PredictorKind, String> {
 
 fn read_text(path: &PathBuf) -> anyhow::Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", path.display()))
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", path.display()))
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {

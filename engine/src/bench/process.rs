@@ -49,8 +49,6 @@ pub fn storage_read_bytes() -> u64 {
 pub fn drop_page_cache(path: &Path) -> bool {
     std::fs::File::open(path)
         .ok()
-        .and_then(|f| {
-            rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).ok()
-        })
+        .and_then(|f| rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).ok())
         .is_some()
 }

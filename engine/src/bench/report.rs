@@ -13,8 +13,17 @@ fn pct(v: Option<f64>) -> String {
 /// The rows as an aligned text table.
 pub fn table(rows: &[BenchRow]) -> String {
     let header = [
-        "mode", "budget", "tok/s", "rss MiB", "read/tok KiB", "miss", "redundant", "io wait",
-        "recall", "agree", "nll Δ",
+        "mode",
+        "budget",
+        "tok/s",
+        "rss MiB",
+        "read/tok KiB",
+        "miss",
+        "redundant",
+        "io wait",
+        "recall",
+        "agree",
+        "nll Δ",
     ];
     let cells: Vec<[String; 11]> = rows
         .iter()
@@ -102,7 +111,8 @@ pub fn svg(rows: &[BenchRow], title: &str) -> String {
         total_w / 2.0,
         escape(title)
     );
-    let panels: [(&str, f64, fn(&BenchRow) -> Option<f64>); 2] = [
+    type Panel = (&'static str, f64, fn(&BenchRow) -> Option<f64>);
+    let panels: [Panel; 2] = [
         ("decode tokens/s", max_tps, |r| Some(r.decode_tokens_per_s)),
         ("cache miss ratio", 1.0, |r| r.cache_miss_ratio),
     ];
@@ -127,7 +137,11 @@ pub fn svg(rows: &[BenchRow], title: &str) -> String {
                 b * 100.0,
                 x0 - 4.0,
                 py(v) + 4.0,
-                if *y_max > 2.0 { format!("{v:.0}") } else { format!("{v:.2}") }
+                if *y_max > 2.0 {
+                    format!("{v:.0}")
+                } else {
+                    format!("{v:.2}")
+                }
             );
         }
         let _ = writeln!(
@@ -185,7 +199,10 @@ pub fn svg(rows: &[BenchRow], title: &str) -> String {
         }
     }
     for (m, mode) in modes.iter().enumerate() {
-        let (x, y) = (pad + (m % 3) as f64 * 280.0, h + 45.0 + 18.0 * (m / 3) as f64);
+        let (x, y) = (
+            pad + (m % 3) as f64 * 280.0,
+            h + 45.0 + 18.0 * (m / 3) as f64,
+        );
         let _ = writeln!(
             s,
             r#"<rect x="{x}" y="{}" width="14" height="4" fill="{}"/><text x="{}" y="{y}">{}</text>"#,
@@ -200,7 +217,9 @@ pub fn svg(rows: &[BenchRow], title: &str) -> String {
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 #[cfg(test)]
@@ -227,7 +246,9 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines[2].starts_with("leanstream"));
-        assert!(lines[2].contains("20.0%") && lines[2].contains("41.5") && lines[2].contains("12.0%"));
+        assert!(
+            lines[2].contains("20.0%") && lines[2].contains("41.5") && lines[2].contains("12.0%")
+        );
         assert_eq!(lines[1].chars().count(), lines[2].chars().count());
     }
 

@@ -59,7 +59,9 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<Benc
             reason: "need at least one prompt and one token to decode".into(),
         });
     }
-    let mut plan: Vec<(Mode, Option<f64>, Option<(&'static str, Policy)>)> = Vec::new();
+    /// A mode, its budget, and the ablation step it runs (if any).
+    type Planned = (Mode, Option<f64>, Option<(&'static str, Policy)>);
+    let mut plan: Vec<Planned> = Vec::new();
     for &mode in &cfg.modes {
         if mode.uses_cache() {
             plan.extend(cfg.budgets.iter().map(|&b| (mode, Some(b), None)));
@@ -196,8 +198,9 @@ fn run_one(
         nll_delta: dense.map_or(0.0, |d| perplexity / d.row.perplexity - 1.0),
         perplexity,
         cache_bytes: cache.then(|| runner.exec.as_ref().map_or(0, |e| e.cache_bytes() as u64)),
-        computed_fraction: sparse
-            .then(|| stats.computed_neurons as f64 / (stats.tokens.max(1) as f64 * per_token_neurons)),
+        computed_fraction: sparse.then(|| {
+            stats.computed_neurons as f64 / (stats.tokens.max(1) as f64 * per_token_neurons)
+        }),
         tokens_decoded: decoded,
     };
     Ok(RunOutput { row, generated })
@@ -210,5 +213,9 @@ fn agreement(reference: &[Vec<u32>], run: &[Vec<u32>]) -> f64 {
         total += a.len().max(b.len());
         same += a.iter().zip(b).filter(|(x, y)| x == y).count();
     }
-    if total == 0 { 1.0 } else { same as f64 / total as f64 }
+    if total == 0 {
+        1.0
+    } else {
+        same as f64 / total as f64
+    }
 }

@@ -189,6 +189,14 @@ impl NeuronCache {
         found
     }
 
+    /// Marks chunk `c`'s slot as used without counting an access (for a chunk the compute already
+    /// counted with [`NeuronCache::access`] before its read was issued). No-op when not cached.
+    pub fn mark_used(&mut self, c: ChunkId) {
+        if let Lookup::Loading(s) | Lookup::Ready(s) = self.lookup(c) {
+            self.slots[s as usize].used = true;
+        }
+    }
+
     /// Gets a slot to read chunk `c` into and marks it Loading for `c` with `retention`: a free
     /// slot, else the unpinned Ready slot with the lowest retention (ties: lowest slot id), subject
     /// to `evict`. Never takes a Loading or pinned slot.

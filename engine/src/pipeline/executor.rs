@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
+use super::Mode;
 use super::mmap::MmapFfn;
 use super::select::Selector;
 use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
-use super::Mode;
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
 use crate::io::{DirectFile, ThreadPoolIo};
@@ -33,8 +33,8 @@ pub struct ExecutorOptions {
 /// The FFN of a sparse mode.
 #[derive(Debug)]
 pub enum Executor {
-    Mmap(MmapFfn),
-    Streaming(StreamingFfn),
+    Mmap(Box<MmapFfn>),
+    Streaming(Box<StreamingFfn>),
 }
 
 impl Executor {
@@ -47,26 +47,27 @@ impl Executor {
                 arg: "mode",
                 reason: "dense mode runs the dense forward pass, not a sparse pipeline".into(),
             }),
-            Mode::Mmap => Ok(Executor::Mmap(MmapFfn::new(
+            Mode::Mmap => Ok(Executor::Mmap(Box::new(MmapFfn::new(
                 Arc::clone(sm),
                 selector,
                 opts.precision,
-            ))),
+            )))),
             mode => {
                 let policy = opts
                     .policy
                     .or_else(|| Policy::for_mode(mode))
                     .expect("every cache-backed mode has a policy");
                 let file = DirectFile::open(&sm.path)?;
-                let io = ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), Default::default())?;
-                Ok(Executor::Streaming(StreamingFfn::new(
+                let io =
+                    ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), Default::default())?;
+                Ok(Executor::Streaming(Box::new(StreamingFfn::new(
                     Arc::clone(sm),
                     selector,
                     policy,
                     opts.cache_bytes,
                     Box::new(io),
                     opts.precision,
-                )?))
+                )?)))
             }
         }
     }

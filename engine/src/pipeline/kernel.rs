@@ -26,7 +26,14 @@ impl ChunkMath<'_> {
     ///
     /// `x` and `acc` hold `d_model` values; `h` holds one value per neuron of the chunk; `bytes`
     /// is the chunk as stored.
-    pub fn chunk(&self, c: usize, bytes: &[u8], x: &[f32], h: &mut [f32], acc: &mut [f32]) -> usize {
+    pub fn chunk(
+        &self,
+        c: usize,
+        bytes: &[u8],
+        x: &[f32],
+        h: &mut [f32],
+        acc: &mut [f32],
+    ) -> usize {
         let l = self.layout;
         let k = self.kernels;
         let mut active = 0;

@@ -24,11 +24,11 @@ pub struct MmapFfn {
     /// Count predictor recall against dense activations (measurement passes only).
     pub measure_recall: bool,
     stats: PipelineStats,
-    margins: Vec<f32>,                // (chunks_per_layer)
-    h: Vec<f32>,                      // (n_ff)
-    partials: Vec<f32>,               // (n_parts, d_model)
-    acts: QuantizedActs,              // (d_model) for Fast
-    selected: Vec<usize>,             // chunks of this layer to compute
+    margins: Vec<f32>,    // (chunks_per_layer)
+    h: Vec<f32>,          // (n_ff)
+    partials: Vec<f32>,   // (n_parts, d_model)
+    acts: QuantizedActs,  // (d_model) for Fast
+    selected: Vec<usize>, // chunks of this layer to compute
 }
 
 impl MmapFfn {
@@ -107,7 +107,14 @@ impl FfnExecutor for MmapFfn {
             &bytes[off..off + layout.chunk_bytes]
         };
         out.fill(0.0);
-        let active = math.chunks(&self.selected, &bytes_of, xn, &mut self.h, &mut self.partials, out);
+        let active = math.chunks(
+            &self.selected,
+            &bytes_of,
+            xn,
+            &mut self.h,
+            &mut self.partials,
+            out,
+        );
         self.stats.active_neurons += active as u64;
         self.stats.computed_neurons += self
             .selected

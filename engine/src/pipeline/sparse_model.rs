@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use super::layout::ChunkLayout;
 use super::select::{AllNeurons, NeuronScorer};
+use crate::Result;
 use crate::forward::Model;
 use crate::model::TensorBytes;
 use crate::model::lsm::LsmFile;
-use crate::Result;
 use crate::predict::{PredictScratch, Predictor, PredictorKind};
 
 /// A model ready for the sparse pipelines. Shared by every session and pipeline on it.

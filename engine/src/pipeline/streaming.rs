@@ -20,12 +20,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::Mode;
 use super::kernel::ChunkMath;
 use super::layout::ChunkId;
 use super::select::Selector;
 use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
-use super::Mode;
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::cache::{Evict, Lookup, NeuronCache};
 use crate::forward::FfnExecutor;
@@ -138,17 +138,17 @@ pub struct StreamingFfn {
     /// Count predictor recall against dense activations (measurement passes only).
     pub measure_recall: bool,
     stats: PipelineStats,
-    tick: f32,                    // accesses so far, the LRU clock
-    activity: Vec<f32>,           // (total chunks) average of "any neuron active" when computed
-    speculated: Vec<u32>,         // (n_layers) token count at which a layer was last speculated
-    xn: Vec<f32>,                 // (d_model) speculative input of a later layer
-    margins: Vec<f32>,            // (chunks_per_layer)
-    h: Vec<f32>,                  // (n_ff)
-    partials: Vec<f32>,           // (n_parts, d_model)
-    acts: QuantizedActs,          // (d_model) for Fast
-    needed: Vec<usize>,           // chunks of this layer still to compute
-    ready: Vec<usize>,            // chunks of this layer ready to compute in this stage
-    done: Vec<Completion>,        // completions being processed
+    tick: f32,             // accesses so far, the LRU clock
+    activity: Vec<f32>,    // (total chunks) average of "any neuron active" when computed
+    speculated: Vec<u32>,  // (n_layers) token count at which a layer was last speculated
+    xn: Vec<f32>,          // (d_model) speculative input of a later layer
+    margins: Vec<f32>,     // (chunks_per_layer)
+    h: Vec<f32>,           // (n_ff)
+    partials: Vec<f32>,    // (n_parts, d_model)
+    acts: QuantizedActs,   // (d_model) for Fast
+    needed: Vec<usize>,    // chunks of this layer still to compute
+    ready: Vec<usize>,     // chunks of this layer ready to compute in this stage
+    done: Vec<Completion>, // completions being processed
     failed: Option<(ChunkId, String)>,
 }
 
@@ -284,7 +284,8 @@ impl StreamingFfn {
         self.done.clear();
         if block {
             let t = Instant::now();
-            self.io.wait(&mut self.done, Some(Duration::from_millis(100)));
+            self.io
+                .wait(&mut self.done, Some(Duration::from_millis(100)));
             self.stats.io_wait_ns += t.elapsed().as_nanos() as u64;
         } else {
             self.io.try_drain(&mut self.done);
@@ -362,7 +363,14 @@ impl StreamingFfn {
             Lookup::Ready(slot) => cache.data(slot),
             _ => unreachable!("chunk {c} of layer {l} is computed only when Ready and pinned"),
         };
-        let active = math.chunks(&self.ready, &bytes_of, xn, &mut self.h, &mut self.partials, out);
+        let active = math.chunks(
+            &self.ready,
+            &bytes_of,
+            xn,
+            &mut self.h,
+            &mut self.partials,
+            out,
+        );
         self.stats.active_neurons += active as u64;
         for &c in &self.ready {
             let id = layout.id(l, c);
@@ -387,14 +395,15 @@ impl StreamingFfn {
         let layout = &self.sm.layout;
         let cache = &mut self.cache;
         let ready = &mut self.ready;
-        self.needed.retain(|&c| match cache.lookup(layout.id(l, c)) {
-            Lookup::Ready(_) => {
-                cache.pin(layout.id(l, c));
-                ready.push(c);
-                false
-            }
-            _ => true,
-        });
+        self.needed
+            .retain(|&c| match cache.lookup(layout.id(l, c)) {
+                Lookup::Ready(_) => {
+                    cache.pin(layout.id(l, c));
+                    ready.push(c);
+                    false
+                }
+                _ => true,
+            });
     }
 }
 
@@ -450,15 +459,20 @@ impl FfnExecutor for StreamingFfn {
             self.stats.chunks_needed += 1;
             self.needed.push(c);
         }
+        // Pin what is already here before any read of this layer can evict it, request the
+        // rest, then count each needed chunk once: a hit if it was cached before this token.
         for i in 0..self.needed.len() {
             self.cache.access(self.sm.layout.id(l, self.needed[i]));
         }
-        // Pin what is already here before any read of this layer can evict it.
         self.take_ready(l);
         for i in 0..self.needed.len() {
             let c = self.needed[i];
             let p = read_priority(n_layers, l, self.margins[c], true);
-            self.request(self.sm.layout.id(l, c), p, true);
+            let id = self.sm.layout.id(l, c);
+            if self.request(id, p, true) {
+                // Marks the slot used now that it exists (the count was taken above).
+                self.cache.mark_used(id);
+            }
         }
 
         // Stages: compute what is ready, then wait for arrivals. A serialised policy computes
