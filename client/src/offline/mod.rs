@@ -39,16 +39,3 @@ pub fn init_threads(threads: usize) -> anyhow::Result<()> {
 fn rayon_pool(threads: usize) -> anyhow::Result<()> {
     leanstream_engine::set_compute_threads(threads).map_err(anyhow::Error::msg)
 }
-
-/// Peak resident memory of this process in bytes (`VmHWM`), or 0 where unavailable.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}

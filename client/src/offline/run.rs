@@ -123,7 +123,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         return Err(e);
     }
     let stats = &generation.stats;
-    let peak = super::peak_rss_bytes();
+    let peak = leanstream_engine::bench::process::peak_rss_bytes();
     if args.json {
         let out = json!({
             "prompt_ids": prompt_ids,
