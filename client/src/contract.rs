@@ -111,8 +111,13 @@ pub struct ChatTurn {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct ModelMemory {
     pub name: String,
+    /// Weights and tables kept for the model's lifetime (in a streaming mode: the file less its
+    /// streamed FFN section).
     pub resident_bytes: u64,
+    /// The neuron cache the FFN weights stream through (0 in `dense` and `mmap` mode).
     pub cache_bytes: u64,
+    /// How the model runs: `dense`, `mmap`, `on-demand`, `prefetch` or `leanstream`.
+    pub mode: String,
 }
 
 /// Memory held by one session (its KV cache and working buffers).

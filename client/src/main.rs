@@ -1,6 +1,6 @@
 //! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
 //! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
-//! `perplexity`, `convert`, `calibrate`) run the engine in-process and need the default `offline` feature.
+//! `perplexity`, `convert`, `calibrate`, `bench`, `synth`) run the engine in-process and need the default `offline` feature.
 //!
 //! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
 
@@ -51,6 +51,10 @@ enum Command {
     /// Calibrate a `.lsm` file: activation thresholds, neuron statistics, predictors.
     #[cfg(feature = "offline")]
     Calibrate(offline::calibrate::CalibrateArgs),
+    /// Write a synthetic `.lsm` file with a real model's shapes (e.g. Llama-2-7B) and seeded
+    /// random weights with planted activation statistics, for scale runs.
+    #[cfg(feature = "offline")]
+    Synth(offline::synth::SynthArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +70,8 @@ fn main() -> ExitCode {
         #[cfg(feature = "offline")]
         Command::Bench(args) => offline_exit(offline::bench::run(args)),
         Command::Calibrate(args) => offline_exit(offline::calibrate::run(args)),
+        #[cfg(feature = "offline")]
+        Command::Synth(args) => offline_exit(offline::synth::run(args)),
     }
 }
 

@@ -222,6 +222,74 @@ fn convert_then_run_the_lsm() {
 }
 
 #[test]
+fn synth_then_bench_reports_the_disk_figures() {
+    // On the crate's disk, where O_DIRECT works (/tmp may be tmpfs).
+    let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let lsm = dir.path().join("synth.lsm");
+    let out = leanstream(&["synth", "--shape", "tiny", "-o", lsm.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("SYNTHETIC") && stdout.contains("planted"),
+        "{stdout}"
+    );
+    let json = dir.path().join("rows.json");
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "the cat sat on\n").unwrap();
+    let out = leanstream(&[
+        "bench",
+        "--model",
+        lsm.to_str().unwrap(),
+        "--modes",
+        "dense,on-demand",
+        "--ffn-budget",
+        "50%",
+        "--tokens",
+        "4",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--heldout-tokens",
+        "4",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("disk busy") && stdout.contains("O_DIRECT"),
+        "{stdout}"
+    );
+    let rows: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(
+        rows[0]["disk_bandwidth"].is_null(),
+        "dense reads nothing: {}",
+        rows[0]
+    );
+    let r = &rows[1];
+    let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {r}"));
+    assert!(
+        f("disk_bandwidth") > 0.0 && f("io_bytes_per_s") > 0.0,
+        "{r}"
+    );
+    assert!((f("disk_busy_share") - f("io_bytes_per_s") / f("disk_bandwidth")).abs() < 1e-9);
+    let bound = f("disk_bandwidth") / f("missing_bytes_per_token");
+    assert!(
+        (f("storage_bound_tok_s") - bound).abs() < 1e-6 * bound,
+        "{r}"
+    );
+}
+
+#[test]
 fn calibrate_reorder_then_run_the_same_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let src = tiny(dir.path());
@@ -250,17 +318,7 @@ fn calibrate_reorder_then_run_the_same_tokens() {
         eval.to_str().unwrap(),
         cal.to_str().unwrap(),
     );
-    let out = leanstream(&[
-        "calibrate",
-        lsm_s,
-        "--text",
-        t,
-        "--eval-text",
-        e,
-        "--reorder",
-        "-o",
-        c,
-    ]);
+    let out = leanstream(&["calibrate", lsm_s, "--text", t, "--eval-text", e, "-o", c]);
     assert!(
         out.status.success(),
         "{}",

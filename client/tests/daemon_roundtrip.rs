@@ -310,11 +310,15 @@ fn cli_against_the_mock_daemon() {
         status.starts_with("budget 64.0 MiB, used 10.0 MiB (15.6 %)"),
         "{status}"
     );
-    assert!(status.contains("tiny    6.0 MiB"), "{status}");
+    assert!(
+        status.contains("tiny   leanstream   6.0 MiB  2.0 MiB"),
+        "{status}"
+    );
     let out = cli(a, &["status", "--json"], "");
     let v: Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
     assert_eq!(v["budget_bytes"], 64u64 << 20);
     assert_eq!(v["models"][0]["name"], "tiny");
+    assert_eq!(v["models"][0]["mode"], "leanstream");
 
     let out = cli(a, &["load", "other"], "");
     assert!(out.status.success(), "{}", text(&out.stderr));

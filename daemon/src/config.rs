@@ -5,10 +5,12 @@
 //! be missing; an explicit `--config` file must exist), then environment variables
 //! `LEANSTREAM__SECTION__KEY` (e.g. `LEANSTREAM__MEMORY__BUDGET=1GiB`).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::pipeline::Mode;
 use serde::Deserialize;
 
 /// The default configuration file.
@@ -96,10 +98,24 @@ pub struct RawConfig {
     pub limits: RawLimits,
 }
 
+/// `[models]`: the directory, and one `[models.NAME]` table per model that overrides the
+/// `[engine]` defaults. Any key other than `dir` is a model name; each is read as a
+/// [`RawModel`] during validation, so that an error (a misspelt `dir` is not a table) can name
+/// the key.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct RawModels {
     pub dir: Option<PathBuf>,
+    #[serde(flatten)]
+    pub each: BTreeMap<String, config::Value>,
+}
+
+/// `[models.NAME]`: how one model runs; an unset key takes the `[engine]` value.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    pub mode: Option<String>,
+    pub sparsity: Option<f64>,
+    pub cache_share: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -113,6 +129,7 @@ pub struct RawMemory {
 pub struct RawEngine {
     pub sparsity: Option<f64>,
     pub mode: Option<String>,
+    pub cache_share: Option<f64>,
     pub io_threads: Option<usize>,
     pub compute_threads: Option<usize>,
     pub backend: Option<String>,
@@ -143,17 +160,42 @@ impl Backend {
     }
 }
 
+/// The neuron cache's share of a model's streamed FFN bytes when no key sets it.
+pub const DEFAULT_CACHE_SHARE: f64 = 0.25;
+
+/// How one model runs: `[engine]` defaults with its `[models.NAME]` overrides applied.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelParams {
+    /// Default `dense`.
+    pub mode: Mode,
+    /// FFN sparsity in [0, 1): `None` (the default) runs at the target the file was calibrated
+    /// for; `Some(0.0)` turns sparsity off (every neuron is computed, the weights still stream);
+    /// any other value must equal the file's calibrated target. Sparse modes only.
+    pub sparsity: Option<f64>,
+    /// The neuron cache's size as a share of the model's streamed FFN bytes, in (0, 1].
+    /// Cache-backed modes (`on-demand`, `prefetch`, `leanstream`) only. Default 0.25.
+    pub cache_share: f64,
+    /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
+    /// `engine.sparsity`, …).
+    pub mode_key: String,
+    pub sparsity_key: String,
+    pub cache_share_key: String,
+}
+
 /// Validated runtime parameters.
 #[derive(Clone, Debug)]
 pub struct Params {
     /// Models are files `NAME.lsm` / `NAME.gguf` directly in this directory (canonical path).
-    /// Default `/var/lib/leanstream/models`.
+    /// Default `/usr/share/leanstream/models`.
     pub model_dir: PathBuf,
     /// Memory budget in bytes for weights, caches, KV caches and buffers. Default 512 MiB.
     pub budget_bytes: u64,
-    /// Default FFN sparsity for the streaming engine, in [0, 1). Default 0 (dense).
-    pub sparsity: f64,
-    /// I/O worker threads of the streaming engine (stored for it). Default 2.
+    /// How models run unless `[models.NAME]` says otherwise (`[engine]` mode, sparsity,
+    /// cache_share).
+    pub engine: ModelParams,
+    /// Per-model overrides, by model name, already merged with `engine`.
+    pub models: BTreeMap<String, ModelParams>,
+    /// I/O worker threads of the streaming engine, per model. Default 2.
     pub io_threads: usize,
     /// Compute threads (rayon pool); 0 means one per core. Default 0.
     pub compute_threads: usize,
@@ -202,10 +244,30 @@ impl Params {
 
     /// Turns the raw form into parameters, naming the first bad key.
     pub fn validate(raw: RawConfig) -> Result<Params, ConfigError> {
+        let budget_bytes = raw.memory.budget.unwrap_or(ByteSize(512 << 20)).0;
+        if budget_bytes == 0 {
+            return Err(bad("memory.budget", "must be more than 0 bytes"));
+        }
+        let e = raw.engine;
+        let engine = ModelParams {
+            mode: parse_mode("engine.mode", e.mode.as_deref())?.unwrap_or(Mode::Dense),
+            sparsity: check_sparsity("engine.sparsity", e.sparsity)?,
+            cache_share: check_cache_share("engine.cache_share", e.cache_share)?
+                .unwrap_or(DEFAULT_CACHE_SHARE),
+            mode_key: "engine.mode".into(),
+            sparsity_key: "engine.sparsity".into(),
+            cache_share_key: "engine.cache_share".into(),
+        };
+        let mut models = BTreeMap::new();
+        for (name, m) in raw.models.each {
+            let p = model_params(&engine, &name, m)?;
+            models.insert(name, p);
+        }
+        // After the model tables: a misspelt `dir` is reported as such, not as a missing default.
         let dir = raw
             .models
             .dir
-            .unwrap_or_else(|| PathBuf::from("/var/lib/leanstream/models"));
+            .unwrap_or_else(|| PathBuf::from("/usr/share/leanstream/models"));
         let model_dir = dir
             .canonicalize()
             .map_err(|e| bad("models.dir", format!("({}): {e}", dir.display())))?;
@@ -214,33 +276,6 @@ impl Params {
                 "models.dir",
                 format!("({}) is not a directory", dir.display()),
             ));
-        }
-        let budget_bytes = raw.memory.budget.unwrap_or(ByteSize(512 << 20)).0;
-        if budget_bytes == 0 {
-            return Err(bad("memory.budget", "must be more than 0 bytes"));
-        }
-        let e = raw.engine;
-        let sparsity = e.sparsity.unwrap_or(0.0);
-        if !(sparsity.is_finite() && (0.0..1.0).contains(&sparsity)) {
-            return Err(bad(
-                "engine.sparsity",
-                format!("{sparsity} is outside [0, 1)"),
-            ));
-        }
-        match e.mode.as_deref().unwrap_or("dense") {
-            "dense" => {}
-            m @ ("mmap" | "on-demand" | "prefetch" | "leanstream") => {
-                return Err(bad(
-                    "engine.mode",
-                    format!("`{m}` is not available in this build yet (use `dense`)"),
-                ));
-            }
-            m => {
-                return Err(bad(
-                    "engine.mode",
-                    format!("`{m}` is not one of dense, mmap, on-demand, prefetch, leanstream"),
-                ));
-            }
         }
         let io_threads = e.io_threads.unwrap_or(2);
         if !(1..=64).contains(&io_threads) {
@@ -297,7 +332,8 @@ impl Params {
         Ok(Params {
             model_dir,
             budget_bytes,
-            sparsity,
+            engine,
+            models,
             io_threads,
             compute_threads,
             backend,
@@ -313,6 +349,109 @@ impl Params {
             )?,
         })
     }
+
+    /// How model `name` runs.
+    pub fn model(&self, name: &str) -> &ModelParams {
+        self.models.get(name).unwrap_or(&self.engine)
+    }
+}
+
+fn parse_mode(key: &str, value: Option<&str>) -> Result<Option<Mode>, ConfigError> {
+    value
+        .map(|m| {
+            m.parse::<Mode>().map_err(|_| {
+                bad(
+                    key,
+                    format!("`{m}` is not one of dense, mmap, on-demand, prefetch, leanstream"),
+                )
+            })
+        })
+        .transpose()
+}
+
+fn check_sparsity(key: &str, value: Option<f64>) -> Result<Option<f64>, ConfigError> {
+    match value {
+        Some(s) if !(s.is_finite() && (0.0..1.0).contains(&s)) => Err(bad(
+            key,
+            format!("{s} is outside [0, 1) (0 turns sparsity off)"),
+        )),
+        v => Ok(v),
+    }
+}
+
+fn check_cache_share(key: &str, value: Option<f64>) -> Result<Option<f64>, ConfigError> {
+    match value {
+        Some(s) if !(s.is_finite() && s > 0.0 && s <= 1.0) => Err(bad(
+            key,
+            format!("{s} is outside (0, 1] (the neuron cache's share of the streamed FFN bytes)"),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// Merges `[models.NAME]` over the `[engine]` defaults. A key that the model's mode does not use
+/// (sparsity in `dense`, cache_share outside the cache-backed modes) is an error when the same
+/// table sets it: it would silently do nothing.
+fn model_params(
+    engine: &ModelParams,
+    name: &str,
+    raw: config::Value,
+) -> Result<ModelParams, ConfigError> {
+    let key = |k: &str| format!("models.{name}.{k}");
+    let m: RawModel = raw.try_deserialize().map_err(|e| {
+        bad(
+            &format!("models.{name}"),
+            format!(
+                "is not a model table (`[models.{name}]` with mode, sparsity, cache_share; \
+                 `dir` is the only other key of [models]): {e}"
+            ),
+        )
+    })?;
+    crate::models::check_name(name).map_err(|e| {
+        bad(
+            &format!("models.{name}"),
+            format!("is not a model name: {e}"),
+        )
+    })?;
+    let mode = parse_mode(&key("mode"), m.mode.as_deref())?;
+    let sparsity = check_sparsity(&key("sparsity"), m.sparsity)?;
+    let cache_share = check_cache_share(&key("cache_share"), m.cache_share)?;
+    let effective = mode.unwrap_or(engine.mode);
+    if sparsity.is_some() && effective == Mode::Dense {
+        return Err(bad(
+            &key("sparsity"),
+            "has no effect: the model runs in `dense` mode (set `mode` to a sparse mode)",
+        ));
+    }
+    if cache_share.is_some() && !effective.uses_cache() {
+        return Err(bad(
+            &key("cache_share"),
+            format!(
+                "has no effect: the model runs in `{effective}` mode, which has no neuron cache \
+                 (on-demand, prefetch and leanstream have one)"
+            ),
+        ));
+    }
+    Ok(ModelParams {
+        mode: effective,
+        mode_key: if mode.is_some() {
+            key("mode")
+        } else {
+            engine.mode_key.clone()
+        },
+        sparsity_key: if sparsity.is_some() {
+            key("sparsity")
+        } else {
+            engine.sparsity_key.clone()
+        },
+        cache_share_key: if cache_share.is_some() {
+            key("cache_share")
+        } else {
+            engine.cache_share_key.clone()
+        },
+        sparsity: sparsity.or(engine.sparsity),
+        cache_share: cache_share.unwrap_or(engine.cache_share),
+    })
 }
 
 #[cfg(test)]
@@ -375,6 +514,96 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("models.dir"), "{msg}");
+    }
+
+    #[test]
+    fn models_run_dense_with_a_quarter_cache_share_by_default() {
+        let p = params("[models]\ndir = \"DIR\"\n").unwrap();
+        let m = p.model("anything");
+        assert_eq!(m.mode, Mode::Dense);
+        assert_eq!(m.sparsity, None, "unset: the file's calibrated target");
+        assert_eq!(m.cache_share, DEFAULT_CACHE_SHARE);
+        assert!(p.models.is_empty());
+    }
+
+    #[test]
+    fn per_model_tables_override_the_engine_defaults() {
+        let p = params(
+            "[models]\ndir = \"DIR\"\n\
+             [models.SmolLM2]\nmode = \"leanstream\"\ncache_share = 0.5\nsparsity = 0\n\
+             [models.other]\nsparsity = 0.4\n\
+             [engine]\nmode = \"prefetch\"\ncache_share = 0.1\n",
+        )
+        .unwrap();
+        let m = p.model("SmolLM2");
+        assert_eq!(
+            (m.mode, m.sparsity, m.cache_share),
+            (Mode::LeanStream, Some(0.0), 0.5)
+        );
+        assert_eq!(m.cache_share_key, "models.SmolLM2.cache_share");
+        assert_eq!(m.mode_key, "models.SmolLM2.mode");
+        // Unset keys fall back to [engine], and messages name the key the value came from.
+        let o = p.model("other");
+        assert_eq!(
+            (o.mode, o.sparsity, o.cache_share),
+            (Mode::Prefetch, Some(0.4), 0.1)
+        );
+        assert_eq!(o.cache_share_key, "engine.cache_share");
+        assert_eq!(o.sparsity_key, "models.other.sparsity");
+        let d = p.model("unlisted");
+        assert_eq!((d.mode, d.sparsity), (Mode::Prefetch, None));
+        assert_eq!(d, &p.engine);
+    }
+
+    #[test]
+    fn bad_model_settings_name_the_key() {
+        let cases = [
+            ("[engine]\nmode = \"turbo\"", "engine.mode"),
+            ("[engine]\ncache_share = -1.0", "engine.cache_share"),
+            ("[engine]\nsparsity = -0.1", "engine.sparsity"),
+            ("[models.m]\nmode = \"turbo\"", "models.m.mode"),
+            (
+                "[models.m]\nmode = \"leanstream\"\ncache_share = 0",
+                "models.m.cache_share",
+            ),
+            (
+                "[models.m]\nmode = \"leanstream\"\ncache_share = 1.5",
+                "models.m.cache_share",
+            ),
+            (
+                "[models.m]\nmode = \"leanstream\"\ncache_share = nan",
+                "models.m.cache_share",
+            ),
+            (
+                "[models.m]\nmode = \"leanstream\"\nsparsity = 1.0",
+                "models.m.sparsity",
+            ),
+            // Keys the model's mode would ignore.
+            ("[models.m]\ncache_share = 0.2", "models.m.cache_share"),
+            ("[models.m]\nsparsity = 0.2", "models.m.sparsity"),
+            (
+                "[models.m]\nmode = \"mmap\"\ncache_share = 0.2",
+                "models.m.cache_share",
+            ),
+            // Misspelt keys and names that are not model names.
+            (
+                "[models.m]\nmode = \"leanstream\"\ncache_shar = 0.2",
+                "cache_shar",
+            ),
+            (
+                "[models.\".hidden\"]\nmode = \"leanstream\"",
+                "models..hidden",
+            ),
+        ];
+        for (body, key) in cases {
+            let msg = params(&format!("[models]\ndir = \"DIR\"\n{body}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains(key), "{body:?}: {msg}");
+        }
+        // A misspelt `dir` reads as a model table that is not a table.
+        let msg = params("[models]\ndri = \"DIR\"\n").unwrap_err().to_string();
+        assert!(msg.contains("dri"), "{msg}");
     }
 
     #[test]

@@ -85,14 +85,15 @@ pub async fn run(
     let params = Arc::new(params);
     tracing::info!(
         "leanstreamd {}: models in {}, budget {} bytes, backend {}, {:?} precision, max {} \
-         sessions, sparsity {} and {} I/O threads (for the streaming engine)",
+         sessions, default mode {} ({} per-model settings), {} I/O threads per streamed model",
         env!("CARGO_PKG_VERSION"),
         params.model_dir.display(),
         params.budget_bytes,
         params.backend.name(),
         params.precision,
         params.max_sessions,
-        params.sparsity,
+        params.engine.mode,
+        params.models.len(),
         params.io_threads,
     );
     let (events_tx, events_rx) = mpsc::unbounded_channel();

@@ -6,7 +6,12 @@
 //! compute, a long prompt cannot starve the others, and commands (cancel, close, new work) are
 //! taken between any two passes, so they wait at most one forward pass. Each forward pass is
 //! itself parallel on the rayon pool (`[engine] compute_threads`). Sessions on one model share
-//! its `Arc<Model>` (weights, tokenizer); each owns its KV cache.
+//! its `Arc<Model>` (weights, tokenizer) and, in a sparse mode, its FFN pipeline with the neuron
+//! cache (see [`crate::loader`]); each owns its KV cache.
+//!
+//! Errors: a forward pass that fails (in a streaming mode: a chunk that could not be read after
+//! the I/O workers' retries) ends only the generation it was for, with an `Internal` error
+//! event; the pipeline drops the failed token and serves the next pass as usual.
 //!
 //! Token stream: each step appends a [`StreamEvent`] JSON line to the generation's pipe. The write
 //! end is non-blocking: a reader that does not keep up only pauses its own generation (the
@@ -20,45 +25,13 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
-use leanstream_engine::chat::{ChatMessage, ChatTemplate};
-use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::chat::ChatMessage;
+use leanstream_engine::forward::Session;
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
 
+pub use crate::loader::LoadedModel;
 use crate::memory::SessionId;
-
-/// A loaded model with its compiled chat template. Shared by all sessions on it.
-#[derive(Debug)]
-pub struct LoadedModel {
-    pub name: String,
-    pub model: Arc<Model>,
-    pub template: ChatTemplate,
-}
-
-impl LoadedModel {
-    /// Loads the file and compiles its chat template (ChatML when it ships none). Blocking: call
-    /// on a loader thread.
-    pub fn load(name: &str, path: &std::path::Path) -> Result<LoadedModel, String> {
-        let model = Model::load(path).map_err(|e| e.to_string())?;
-        let source = model
-            .chat_template
-            .as_deref()
-            .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
-        let tok = &model.tokenizer;
-        let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
-        let template = ChatTemplate::new(
-            source,
-            &text(tok.specials().bos),
-            &text(tok.specials().eos.first().copied()),
-        )
-        .map_err(|e| e.to_string())?;
-        Ok(LoadedModel {
-            name: name.to_string(),
-            model,
-            template,
-        })
-    }
-}
 
 /// What to generate from.
 #[derive(Debug)]
@@ -571,6 +544,25 @@ fn advance(
     }
 }
 
+/// One forward pass of `session`, through the model's sparse FFN pipeline when it has one.
+fn forward<'s>(
+    model: &LoadedModel,
+    session: &'s mut Session,
+    token: u32,
+) -> leanstream_engine::Result<&'s mut [f32]> {
+    match &model.ffn {
+        // A panic while the scheduler held the lock would have ended this thread, so a poisoned
+        // lock cannot be seen here; take it anyway rather than add a panic path.
+        Some(ffn) => session.forward_with(
+            token,
+            &mut *ffn
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ),
+        None => session.forward(token),
+    }
+}
+
 fn compute(
     model: &LoadedModel,
     session: &mut Session,
@@ -580,7 +572,7 @@ fn compute(
     match g.phase {
         Phase::Prefill { fed } => {
             let token = g.prompt[fed];
-            let logits = session.forward(token)?;
+            let logits = forward(model, session, token)?;
             seen.push(token);
             if fed + 1 < g.prompt.len() {
                 g.phase = Phase::Prefill { fed: fed + 1 };
@@ -613,7 +605,7 @@ fn compute(
             } else if session.position() >= session.max_context() {
                 end_done(g, "context_full");
             } else {
-                let logits = session.forward(next)?;
+                let logits = forward(model, session, next)?;
                 seen.push(next);
                 let sampled = g.sampler.sample(logits, &g.history);
                 g.phase = Phase::Decode { next: sampled };
@@ -622,4 +614,176 @@ fn compute(
         Phase::Ending => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::io::Read;
+    use std::sync::Mutex;
+
+    use leanstream_engine::backend::cpu::Precision;
+    use leanstream_engine::io::{DirectFile, Fault, FaultKind, FaultyReader, ThreadPoolIo};
+    use leanstream_engine::pipeline::{
+        Executor, Mode, Policy, Selector, SparseModel, StreamingFfn,
+    };
+    use leanstream_engine::sample::SamplerConfig;
+
+    use super::*;
+    use crate::loader::Footprint;
+    use crate::models::ModelFile;
+    use crate::testing::Fixture;
+
+    const PROMPT: &str = "the cat sat on the";
+    const TOKENS: usize = 12;
+
+    fn load(fx: &Fixture, file: &ModelFile, toml: &str) -> LoadedModel {
+        let params = fx.params(toml);
+        let fp = Footprint::of(file, params.model(&file.name)).unwrap();
+        LoadedModel::load(file, &params, fp.cache_bytes).unwrap()
+    }
+
+    /// Runs one greedy generation per (model, prompt), all at once on one scheduler, and returns
+    /// each stream's events.
+    fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
+        let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = Engine::start(events).unwrap();
+        let mut readers = Vec::new();
+        for (i, (model, prompt)) in runs.iter().enumerate() {
+            let id = i as SessionId + 1;
+            let session = Session::new(Arc::clone(&model.model), 64, Precision::Exact).unwrap();
+            let model = Arc::clone(model);
+            let session = Box::new(session);
+            engine
+                .tx
+                .send(EngineCmd::Open { id, model, session })
+                .unwrap();
+            let (read, out) = std::io::pipe().unwrap();
+            let (reply, accepted) = tokio::sync::oneshot::channel();
+            let spec = GenSpec {
+                max_tokens: TOKENS,
+                sampler: SamplerConfig::default(),
+                stop: Vec::new(),
+            };
+            let input = Input::Text(prompt.to_string());
+            let cmd = EngineCmd::Generate {
+                id,
+                input,
+                spec,
+                out,
+                reply,
+            };
+            engine.tx.send(cmd).unwrap();
+            accepted.blocking_recv().unwrap().unwrap();
+            readers.push(read);
+        }
+        let streams = readers
+            .into_iter()
+            .map(|mut r| {
+                let mut text = String::new();
+                r.read_to_string(&mut text).unwrap();
+                text.lines()
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect()
+            })
+            .collect();
+        engine.tx.send(EngineCmd::Shutdown).unwrap();
+        engine.thread.join().unwrap();
+        streams
+    }
+
+    fn ids(events: &[StreamEvent]) -> Vec<u32> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                StreamEvent::Token { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn streaming_modes_with_sparsity_off_generate_the_dense_tokens() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", None);
+        let dense = Arc::new(load(&fx, &file, ""));
+        let prompt_tokens = dense.model.tokenizer.encode(PROMPT).unwrap().len();
+        let expected = generate(&[(&dense, PROMPT)]).remove(0);
+        assert!(
+            matches!(expected.last(), Some(StreamEvent::Done { .. })),
+            "{expected:?}"
+        );
+        let expected = ids(&expected);
+        assert!(!expected.is_empty());
+        for mode in [Mode::Mmap, Mode::OnDemand, Mode::Prefetch, Mode::LeanStream] {
+            // Half the chunks: one layer, so every token evicts and reads again.
+            let share = if mode.uses_cache() {
+                "cache_share = 0.5\n"
+            } else {
+                ""
+            };
+            let toml = format!("[models.tiny]\nmode = \"{mode}\"\nsparsity = 0\n{share}");
+            let sparse = Arc::new(load(&fx, &file, &toml));
+            // Alongside a dense generation, as the scheduler interleaves them.
+            let out = generate(&[(&sparse, PROMPT), (&dense, PROMPT)]);
+            assert_eq!(ids(&out[0]), expected, "{mode}");
+            assert_eq!(ids(&out[1]), expected, "{mode}: the dense run beside it");
+            // Every forward pass went through the model's pipeline: the prompt, then each
+            // generated token but the last.
+            let stats = sparse.ffn.as_ref().unwrap().lock().unwrap().stats();
+            let passes = prompt_tokens + expected.len() - 1;
+            assert_eq!(stats.tokens as usize, passes, "{mode}");
+            if mode.uses_cache() {
+                assert!(
+                    stats.misses > 0 && stats.bytes_read > 0,
+                    "{mode}: {stats:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_error_ends_only_its_generation() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", None);
+        let toml = "[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 1.0\n";
+        let healthy = Arc::new(load(&fx, &file, toml));
+        // The same model, but the first chunk of layer 0 sits on a bad sector.
+        let mut faulty = load(&fx, &file, toml);
+        let sm = SparseModel::open(&file.path, false).unwrap();
+        let at = sm.layout.file_offset(sm.layout.id(0, 0));
+        let fault = Fault::on_range(at..at + 1, FaultKind::Error(std::io::ErrorKind::Other));
+        let reader =
+            FaultyReader::new(Arc::new(DirectFile::open(&file.path).unwrap()), vec![fault]);
+        let io = ThreadPoolIo::new(Arc::new(reader), 1, Default::default()).unwrap();
+        let ffn = StreamingFfn::new(
+            Arc::clone(&sm),
+            Selector::new(sm.scorer(None).unwrap(), sm.layout.n_ff),
+            Policy::for_mode(Mode::LeanStream).unwrap(),
+            sm.layout.streamed_bytes(),
+            Box::new(io),
+            Precision::Exact,
+        )
+        .unwrap();
+        faulty.ffn = Some(Mutex::new(Executor::Streaming(Box::new(ffn))));
+        let faulty = Arc::new(faulty);
+
+        let expected = ids(&generate(&[(&healthy, PROMPT)])[0]);
+        let out = generate(&[
+            (&faulty, PROMPT),
+            (&healthy, PROMPT),
+            (&faulty, "a bird sang"),
+        ]);
+        for failed in [&out[0], &out[2]] {
+            match failed.as_slice() {
+                [StreamEvent::Error { name, message }] => {
+                    assert_eq!(name, "Internal");
+                    assert!(message.contains("chunk 0"), "{message}");
+                }
+                other => panic!("expected one error event, got {other:?}"),
+            }
+        }
+        assert_eq!(ids(&out[1]), expected, "the other generation goes on");
+        assert!(matches!(out[1].last(), Some(StreamEvent::Done { .. })));
+    }
 }

@@ -1,18 +1,22 @@
 //! `leanstreamd`: the LeanStream D-Bus service (DESIGN §3, §7, §8).
 //!
 //! Layout: [`config`] (raw config → validated params), [`models`] (names resolve only inside the
-//! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the state owner needs from it), [`engine`] (the
-//! scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
+//! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the
+//! state owner needs from it), [`loader`] (a model in the configured mode, with its sparse
+//! pipeline and neuron cache), [`engine`] (the scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
 //! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown).
 
 mod arbiter;
 mod config;
 mod daemon;
 mod engine;
+mod loader;
 mod memory;
 mod models;
 mod service;
 mod state;
+#[cfg(test)]
+mod testing;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,7 +1,6 @@
 //! What the state owner needs from memory accounting, and its implementation by the
-//! [`Arbiter`] (DESIGN §7): models reserve their resident bytes (and, once the streaming engine
-//! uses them, a neuron cache between a minimum and a wanted size), sessions their KV cache and
-//! scratch; a reservation that does not fit is refused and changes nothing. Invariant:
+//! [`Arbiter`] (DESIGN §7): models reserve their resident bytes and their neuron cache, sessions
+//! their KV cache and scratch; a reservation that does not fit is refused and changes nothing. Invariant:
 //! `used <= budget` after every call (checked by the arbiter's property tests).
 //!
 //! The session limit is enforced by the state owner (it answers `Busy`), so the arbiter is
@@ -37,8 +36,14 @@ pub struct Figures {
 
 /// What the state owner needs from the memory arbiter.
 pub trait Memory {
-    /// Reserves a model's resident bytes; loading an accounted model again is a no-op.
-    fn load_model(&mut self, name: &str, resident_bytes: u64) -> Result<(), OverBudget>;
+    /// Reserves a model's resident bytes and its neuron cache (0 without one); loading an
+    /// accounted model again is a no-op.
+    fn load_model(
+        &mut self,
+        name: &str,
+        resident_bytes: u64,
+        cache_bytes: u64,
+    ) -> Result<(), OverBudget>;
     /// Releases a model; its sessions must be closed first.
     fn unload_model(&mut self, name: &str);
     /// Reserves a session's KV cache and buffers (its minimum) on an accounted model.
@@ -56,12 +61,19 @@ pub trait Memory {
 }
 
 impl Memory for Arbiter {
-    fn load_model(&mut self, name: &str, resident_bytes: u64) -> Result<(), OverBudget> {
+    fn load_model(
+        &mut self,
+        name: &str,
+        resident_bytes: u64,
+        cache_bytes: u64,
+    ) -> Result<(), OverBudget> {
         if self.is_loaded(name) {
             return Ok(());
         }
-        // The dense engine has no neuron cache: minimum and wanted cache are 0.
-        Arbiter::load_model(self, name, resident_bytes, 0, 0).map_err(over_budget)
+        // The engine's neuron cache has a fixed size, allocated at load: it is the cache's
+        // minimum and its wish at once, so it is a hard reservation that never shrinks.
+        Arbiter::load_model(self, name, resident_bytes, cache_bytes, cache_bytes)
+            .map_err(over_budget)
     }
 
     fn unload_model(&mut self, name: &str) {
@@ -155,8 +167,10 @@ mod tests {
     fn reservations_that_do_not_fit_change_nothing() {
         let mut a = arbiter(100);
         let m: &mut dyn Memory = &mut a;
-        m.load_model("a", 60).unwrap();
-        assert!(m.load_model("b", 50).is_err());
+        m.load_model("a", 50, 10).unwrap();
+        assert_eq!(m.report().models, [("a".to_string(), 50, 10)]);
+        let err = m.load_model("b", 40, 10).unwrap_err();
+        assert_eq!((err.needed, err.free), (50, 40));
         m.open_session(1, "a", ":1.1", 30).unwrap();
         let before = m.report();
         let err = m.open_session(2, "a", ":1.2", 11).unwrap_err();

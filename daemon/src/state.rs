@@ -3,7 +3,10 @@
 //! scheduler thread reports finished generations; the bus watcher reports vanished clients.
 //!
 //! Model loads run on their own OS threads; requests that need a model being loaded wait in its
-//! slot and are answered when it is ready.
+//! slot and are answered when it is ready. A loader thread first works out the model's
+//! [`Footprint`] from the file's header and asks the state owner to reserve it
+//! ([`Request::Reserve`]); it maps weights and allocates the neuron cache only once that is done,
+//! so a load that does not fit is refused before it uses the memory.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::config::Params;
 use crate::engine::{EngineCmd, EngineEvent, GenSpec, Input, LoadedModel};
+use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
 
@@ -72,10 +76,16 @@ pub enum Request {
     ClientGone {
         client: String,
     },
+    /// Internal: a loader thread asks to reserve its model's memory before it loads.
+    Reserve {
+        name: String,
+        footprint: Footprint,
+        reply: oneshot::Sender<Result<(), LoadError>>,
+    },
     /// Internal: a model load finished.
     Loaded {
         name: String,
-        result: Result<Arc<LoadedModel>, String>,
+        result: Result<Arc<LoadedModel>, LoadError>,
     },
     /// Cancel everything, stop the scheduler, then reply.
     Shutdown {
@@ -117,6 +127,8 @@ struct ModelEntry {
     slot: Slot,
     /// Loaded through `LoadModel` (stays loaded without sessions).
     pinned: bool,
+    /// Its footprint is reserved in the arbiter (from [`Request::Reserve`] until it unloads).
+    reserved: bool,
 }
 
 #[derive(Debug)]
@@ -338,6 +350,13 @@ impl<M: Memory> State<M> {
                 let _ = reply.send(r);
             }
             Request::ClientGone { client } => self.client_gone(&client).await,
+            Request::Reserve {
+                name,
+                footprint,
+                reply,
+            } => {
+                let _ = reply.send(self.reserve(&name, footprint));
+            }
             Request::Loaded { name, result } => self.loaded(&name, result).await,
             Request::Shutdown { .. } => unreachable!("handled in run"),
         }
@@ -398,32 +417,57 @@ impl<M: Memory> State<M> {
             }
             return;
         }
-        if let Err(e) = self.memory.load_model(&name, file.bytes) {
-            reply_err(waiter, LeanStreamError::OverBudget(e.to_string()));
-            return;
-        }
-        tracing::info!("loading model {name} from {}", file.path.display());
-        let path = file.path.clone();
+        tracing::info!(
+            "loading model {name} from {} in {} mode",
+            file.path.display(),
+            self.params.model(&name).mode
+        );
         self.models.insert(
             name.clone(),
             ModelEntry {
                 slot: Slot::Loading(vec![waiter]),
                 pinned: pin,
+                reserved: false,
             },
         );
         let tx = self.requests.clone();
+        let params = Arc::clone(&self.params);
         let spawned = std::thread::Builder::new()
             .name("leanstream-load".into())
             .spawn(move || {
-                let result = LoadedModel::load(&name, &path).map(Arc::new);
+                let result = load_reserved(&file, &params, &tx).map(Arc::new);
+                let name = file.name;
                 let _ = tx.blocking_send(Request::Loaded { name, result });
             });
         if let Err(e) = spawned {
             tracing::error!("cannot start a loader thread: {e}");
+            if let Some(ModelEntry {
+                slot: Slot::Loading(waiters),
+                ..
+            }) = self.models.remove(&name)
+            {
+                for w in waiters {
+                    reply_err(w, LeanStreamError::Internal(format!("loader thread: {e}")));
+                }
+            }
         }
     }
 
-    async fn loaded(&mut self, name: &str, result: Result<Arc<LoadedModel>, String>) {
+    /// Reserves the footprint of a model being loaded.
+    fn reserve(&mut self, name: &str, footprint: Footprint) -> Result<(), LoadError> {
+        let Some(entry) = self.models.get_mut(name) else {
+            return Err(LoadError::Failed(format!(
+                "model {name} is no longer being loaded"
+            )));
+        };
+        self.memory
+            .load_model(name, footprint.resident_bytes, footprint.cache_bytes)
+            .map_err(|e| LoadError::OverBudget(e.to_string()))?;
+        entry.reserved = true;
+        Ok(())
+    }
+
+    async fn loaded(&mut self, name: &str, result: Result<Arc<LoadedModel>, LoadError>) {
         let Some(entry) = self.models.get_mut(name) else {
             return;
         };
@@ -445,13 +489,11 @@ impl<M: Memory> State<M> {
             }
             Err(e) => {
                 tracing::error!("loading model {name}: {e}");
-                self.models.remove(name);
-                self.memory.unload_model(name);
+                if self.models.remove(name).is_some_and(|m| m.reserved) {
+                    self.memory.unload_model(name);
+                }
                 for w in waiters {
-                    reply_err(
-                        w,
-                        LeanStreamError::Internal(format!("loading model {name}: {e}")),
-                    );
+                    reply_err(w, e.to_wire());
                 }
             }
         }
@@ -564,10 +606,21 @@ impl<M: Memory> State<M> {
                 "model {name:?} is loading or has open sessions"
             )));
         }
-        self.models.remove(name);
-        self.memory.unload_model(name);
+        self.release(name);
         tracing::info!("model {name} unloaded");
         Ok(())
+    }
+
+    /// Forgets a loaded model and its memory. The model itself is dropped on a blocking thread:
+    /// in a streaming mode the last reference joins its I/O threads, which may be finishing a
+    /// read. (The scheduler may still hold a reference for a moment; it then drops it there.)
+    fn release(&mut self, name: &str) {
+        if let Some(entry) = self.models.remove(name) {
+            self.memory.unload_model(name);
+            if let Slot::Ready(model) = entry.slot {
+                tokio::task::spawn_blocking(move || drop(model));
+            }
+        }
     }
 
     /// Unloads a model loaded only for sessions once none is left.
@@ -578,8 +631,7 @@ impl<M: Memory> State<M> {
                 && !self.sessions.values().any(|s| s.model == name)
         });
         if unused {
-            self.models.remove(name);
-            self.memory.unload_model(name);
+            self.release(name);
             tracing::info!("model {name} unloaded (no sessions left)");
         }
     }
@@ -709,6 +761,8 @@ impl<M: Memory> State<M> {
                     name: name.clone(),
                     resident_bytes: *resident,
                     cache_bytes: *cache,
+                    // Params never change, so this is the mode the model was loaded in.
+                    mode: self.params.model(name).mode.name().to_string(),
                 })
                 .collect(),
             sessions: f
@@ -724,6 +778,27 @@ impl<M: Memory> State<M> {
             clients,
         }
     }
+}
+
+/// On a loader thread: works out the footprint of `file`, has the state owner reserve it, then
+/// loads the model.
+fn load_reserved(
+    file: &ModelFile,
+    params: &Params,
+    requests: &mpsc::Sender<Request>,
+) -> Result<LoadedModel, LoadError> {
+    let footprint = Footprint::of(file, params.model(&file.name))?;
+    let (reply, rx) = oneshot::channel();
+    let gone = || LoadError::Failed("the daemon is shutting down".into());
+    requests
+        .blocking_send(Request::Reserve {
+            name: file.name.clone(),
+            footprint,
+            reply,
+        })
+        .map_err(|_| gone())?;
+    rx.blocking_recv().map_err(|_| gone())??;
+    LoadedModel::load(file, params, footprint.cache_bytes)
 }
 
 fn reply_err(waiter: Waiter, e: LeanStreamError) {

@@ -6,6 +6,9 @@ use std::path::PathBuf;
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A CUDA driver call failed (feature `cuda`).
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// An OS-level I/O failure on a named file.
     #[error("{path}: {source}")]
     Io {

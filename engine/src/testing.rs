@@ -1,6 +1,10 @@
 //! Support shared by the test suites of every crate in the workspace.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use crate::model::gguf::writer::TinyLlama;
+use crate::model::{load_imported, lsm};
+use crate::quant::DType;
 
 /// Path of the real test model (SmolLM2-135M-Instruct, Q4_1 GGUF): `$LEANSTREAM_TEST_MODEL`, or
 /// `models/SmolLM2-135M-Instruct.Q4_1.gguf` at the workspace root, where `scripts/fetch-model`
@@ -19,4 +23,17 @@ pub fn real_model() -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Writes the tiny Llama of `seed` as a Q4_1 GGUF at `gguf`, then converts it with 16-neuron
+/// chunks (8 chunks per layer) into `out`: the small `.lsm` the format, calibration and daemon
+/// tests share.
+pub fn tiny_lsm(seed: u64, gguf: &Path, out: &Path) -> crate::Result<()> {
+    TinyLlama::new(seed).write_gguf(gguf, DType::Q4_1)?;
+    let opts = lsm::ConvertOptions {
+        chunk_neurons: 16,
+        ..Default::default()
+    };
+    lsm::convert(&load_imported(gguf)?, out, &opts, &mut |_, _| {})?;
+    Ok(())
 }

@@ -8,32 +8,16 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
-use leanstream_engine::model::gguf::writer::TinyLlama;
-use leanstream_engine::model::load_imported;
-use leanstream_engine::model::lsm::{self, LsmFile};
+use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::predict::PredictorKind;
-use leanstream_engine::quant::DType;
+use leanstream_engine::testing;
 
 const TEXT: &str = "the cat sat on the mat and the dog sat on the log. a bird sang in the tree \
     while the sun went down over the hill, and the cat and the dog went home to eat.";
 
 fn tiny_lsm(dir: &Path) -> PathBuf {
-    let src = dir.join("tiny.gguf");
-    TinyLlama::new(5)
-        .write_gguf(&src, DType::Q4_1)
-        .expect("write gguf");
     let out = dir.join("tiny.lsm");
-    let opts = lsm::ConvertOptions {
-        chunk_neurons: 16,
-        ..Default::default()
-    };
-    lsm::convert(
-        &load_imported(&src).expect("import"),
-        &out,
-        &opts,
-        &mut |_, _| {},
-    )
-    .expect("convert");
+    testing::tiny_lsm(5, &dir.join("tiny.gguf"), &out).expect("tiny .lsm");
     out
 }
 

@@ -5,24 +5,11 @@ use std::path::{Path, PathBuf};
 use leanstream_engine::model::gguf::writer::TinyLlama;
 use leanstream_engine::model::{TensorBytes, load, load_imported, lsm};
 use leanstream_engine::quant::DType;
+use leanstream_engine::testing;
 
 fn tiny_lsm(dir: &Path) -> PathBuf {
-    let src = dir.join("tiny.gguf");
-    TinyLlama::new(9)
-        .write_gguf(&src, DType::Q4_1)
-        .expect("write gguf");
     let out = dir.join("tiny.lsm");
-    let opts = lsm::ConvertOptions {
-        chunk_neurons: 16,
-        ..Default::default()
-    };
-    lsm::convert(
-        &load_imported(&src).expect("import"),
-        &out,
-        &opts,
-        &mut |_, _| {},
-    )
-    .expect("convert");
+    testing::tiny_lsm(9, &dir.join("tiny.gguf"), &out).expect("tiny .lsm");
     out
 }
 

@@ -50,6 +50,7 @@ fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
         policy: None,
         cache_bytes,
         io_threads: 2,
+        io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
         precision: Precision::Exact,
         predictor: None,
     }

@@ -34,6 +34,26 @@ pub fn real_model() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
+/// The real model converted to `.lsm` (default options, not calibrated) once per test binary;
+/// under a second in the test profile.
+pub fn real_lsm() -> PathBuf {
+    static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    LSM.get_or_init(|| {
+        let convert = || -> Result<(tempfile::TempDir, PathBuf)> {
+            let dir = tempfile::tempdir()?;
+            let out = dir.path().join("smollm2.lsm");
+            let model = leanstream_engine::model::gguf::import(&real_model())?;
+            let opts = leanstream_engine::model::lsm::ConvertOptions::default();
+            leanstream_engine::model::lsm::convert(&model, &out, &opts, &mut |_, _| {})?;
+            Ok((dir, out))
+        };
+        #[allow(clippy::expect_used)]
+        convert().expect("converting the real model to .lsm")
+    })
+    .1
+    .clone()
+}
+
 /// The `leanstreamd` binary (see the module docs).
 pub fn daemon_binary() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -138,6 +158,10 @@ pub struct DaemonConfig {
     pub max_context: usize,
     pub max_tokens: usize,
     pub max_prompt_bytes: usize,
+    /// A `.lsm` file to serve as the model (`smollm2.lsm`, which wins over the `.gguf`).
+    pub lsm: Option<PathBuf>,
+    /// More TOML appended to the config file, e.g. a `[models.smollm2]` table.
+    pub extra: String,
 }
 
 impl Default for DaemonConfig {
@@ -148,6 +172,8 @@ impl Default for DaemonConfig {
             max_context: 256,
             max_tokens: 64,
             max_prompt_bytes: 4096,
+            lsm: None,
+            extra: String::new(),
         }
     }
 }
@@ -171,6 +197,12 @@ impl Daemon {
         if std::fs::hard_link(&source, &target).is_err() {
             std::fs::copy(&source, &target)?;
         }
+        if let Some(lsm) = &cfg.lsm {
+            let target = models.join(format!("{MODEL}.lsm"));
+            if std::fs::hard_link(lsm, &target).is_err() {
+                std::fs::copy(lsm, &target)?;
+            }
+        }
         std::fs::write(dir.path().join("outside.gguf"), b"not a model")?;
         std::os::unix::fs::symlink(dir.path().join("outside.gguf"), models.join("escape.gguf"))?;
         let conf = dir.path().join("leanstreamd.toml");
@@ -178,13 +210,14 @@ impl Daemon {
             &conf,
             format!(
                 "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"exact\"\n\
-                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n",
+                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}\n",
                 models.display(),
                 cfg.budget,
                 cfg.max_sessions,
                 cfg.max_context,
                 cfg.max_tokens,
-                cfg.max_prompt_bytes
+                cfg.max_prompt_bytes,
+                cfg.extra
             ),
         )?;
         let child = Command::new(daemon_binary())

@@ -34,6 +34,7 @@ pub fn format_status(report: &MemoryReport) -> String {
         "models",
         &[
             ("MODEL", Align::Left),
+            ("MODE", Align::Left),
             ("RESIDENT", Align::Right),
             ("CACHE", Align::Right),
             ("TOTAL", Align::Right),
@@ -44,6 +45,7 @@ pub fn format_status(report: &MemoryReport) -> String {
             .map(|m| {
                 vec![
                     m.name.clone(),
+                    m.mode.clone(),
                     bytes(m.resident_bytes),
                     bytes(m.cache_bytes),
                     bytes(m.resident_bytes.saturating_add(m.cache_bytes)),
@@ -154,6 +156,7 @@ mod tests {
                 name: "smollm2".into(),
                 resident_bytes: 100 << 20,
                 cache_bytes: 60 << 20,
+                mode: "leanstream".into(),
             }],
             sessions: vec![
                 SessionMemory {
@@ -190,8 +193,8 @@ mod tests {
 budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB
 
 models
-MODEL     RESIDENT     CACHE      TOTAL
-smollm2  100.0 MiB  60.0 MiB  160.0 MiB
+MODEL    MODE         RESIDENT     CACHE      TOTAL
+smollm2  leanstream  100.0 MiB  60.0 MiB  160.0 MiB
 
 sessions
 SESSION     MODEL    CLIENT    MEMORY

@@ -51,12 +51,20 @@ pub struct BenchArgs {
     /// I/O worker threads of the cache-backed modes.
     #[arg(long, default_value_t = 4)]
     pub io_threads: usize,
+    /// Largest hole (bytes) a merged read may bridge; 0 merges only
+    /// adjacent chunks.
+    #[arg(long, default_value_t = leanstream_engine::io::DEFAULT_MAX_GAP_BYTES)]
+    pub io_gap: usize,
     /// Also run the ablation of LeanStream's refinements at this budget (e.g. 20%).
     #[arg(long, value_parser = parse_percent)]
     pub ablation: Option<f64>,
     /// Compute threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Skip the disk bandwidth probe (by default the model file's O_DIRECT read bandwidth is
+    /// measured once, up to 2 GiB or 4 s, when a cache-backed mode runs).
+    #[arg(long)]
+    pub no_disk_probe: bool,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -126,11 +134,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         predictor: args.predictor,
         precision: args.precision.into(),
         io_threads: args.io_threads,
+        io_gap_bytes: args.io_gap,
         ablation_budget: args.ablation,
+        disk_probe: !args.no_disk_probe,
     };
     let runs = cfg.modes.iter().filter(|m| !m.uses_cache()).count()
         + cfg.modes.iter().filter(|m| m.uses_cache()).count() * cfg.budgets.len()
         + if cfg.ablation_budget.is_some() { 4 } else { 0 }
+        + usize::from(cfg.disk_probe)
         + 1;
     let bar = indicatif::ProgressBar::new(runs as u64);
     bar.set_style(
@@ -145,6 +156,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     })?;
     bar.finish_and_clear();
     print!("{}", report::table(&rows));
+    if let Some(bw) = rows.iter().find_map(|r| r.disk_bandwidth) {
+        println!(
+            "disk: {:.0} MB/s measured with in-order O_DIRECT reads of 1 MiB at queue depth {} on {}; \
+             disk busy = io MB/s / disk MB/s during decode; bound tok/s = disk MB/s / bytes \
+             missing from the cache per token (miss/tok)",
+            bw / 1e6,
+            cfg.io_threads.max(1),
+            args.model.display()
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, report::json(&rows))
             .with_context(|| format!("writing {}", path.display()))?;

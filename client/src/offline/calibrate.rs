@@ -29,8 +29,10 @@ pub struct CalibrateArgs {
     /// Most held-out tokens for the measurements.
     #[arg(long, default_value_t = CalibrateOptions::default().eval_tokens)]
     pub eval_tokens: usize,
-    /// Reorder neurons by activation frequency (hot neurons share chunks).
-    #[arg(long)]
+    /// Keep the neuron order instead of sorting neurons by activation frequency. By default hot
+    /// neurons share chunks and sit first in each layer, so a cache of hot chunks is one
+    /// contiguous range and the misses read as large requests (see README "Sparse streaming").
+    #[arg(long = "no-reorder", action = clap::ArgAction::SetFalse)]
     pub reorder: bool,
     /// Recall of active neurons the predictor cut-offs aim for.
     #[arg(long, default_value_t = CalibrateOptions::default().target_recall)]

@@ -5,6 +5,7 @@ pub mod calibrate;
 pub mod convert;
 pub mod perplexity;
 pub mod run;
+pub mod synth;
 
 use clap::ValueEnum;
 use leanstream_engine::backend::cpu::Precision;

@@ -241,6 +241,7 @@ impl MockManager {
                 name: "tiny".into(),
                 resident_bytes: 6 << 20,
                 cache_bytes: 2 << 20,
+                mode: "leanstream".into(),
             }],
             sessions: vec![],
             clients: vec![ClientMemory {

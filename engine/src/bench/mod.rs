@@ -5,8 +5,11 @@
 //! each prompt, prefill it token by token, then decode greedily (timed, counted); then score the
 //! held-out text teacher-forced, measuring perplexity and predictor recall (not timed, after the
 //! peak RSS was taken, because recall reads every neuron's weights). `dense` runs first: it is
-//! the reference for greedy agreement and perplexity.
+//! the reference for greedy agreement and perplexity. Before all runs, the disk's O_DIRECT
+//! bandwidth is probed once on the model file ([`disk`]), the ceiling the I/O workers'
+//! throughput during decode is compared with.
 
+pub mod disk;
 pub mod process;
 pub mod report;
 mod run;
@@ -38,8 +41,14 @@ pub struct BenchConfig {
     pub predictor: PredictorKind,
     pub precision: Precision,
     pub io_threads: usize,
+    /// Largest hole a merged read may bridge (`--io-gap`).
+    pub io_gap_bytes: usize,
     /// Also run LeanStream's ablation ladder at this budget.
     pub ablation_budget: Option<f64>,
+    /// Measure the disk's O_DIRECT read bandwidth on the model file once, before the runs
+    /// ([`disk::probe`] at queue depth `io_threads`), for `disk_busy_share` and
+    /// `storage_bound_tok_s`. Skipped when no cache-backed mode runs.
+    pub disk_probe: bool,
 }
 
 /// One mode at one budget. Ratios are in 0..=1; `None` where a figure does not apply.
@@ -67,4 +76,21 @@ pub struct BenchRow {
     /// Share of FFN neurons computed per token.
     pub computed_fraction: Option<f64>,
     pub tokens_decoded: u64,
+    /// Bytes the I/O workers read per second of decode wall time (cache-backed modes).
+    #[serde(default)]
+    pub io_bytes_per_s: Option<f64>,
+    /// Bytes of needed chunks that were missing from the cache, per decoded token.
+    #[serde(default)]
+    pub missing_bytes_per_token: Option<f64>,
+    /// The disk's measured O_DIRECT read bandwidth in bytes/s (one probe per bench run, the same
+    /// in every row; see [`disk::probe`]).
+    #[serde(default)]
+    pub disk_bandwidth: Option<f64>,
+    /// `io_bytes_per_s / disk_bandwidth`: how busy the workers kept the disk during decode.
+    #[serde(default)]
+    pub disk_busy_share: Option<f64>,
+    /// `disk_bandwidth / missing_bytes_per_token`: the tokens/s at which reading the missing
+    /// chunks alone would take all the time (none when nothing was missing).
+    #[serde(default)]
+    pub storage_bound_tok_s: Option<f64>,
 }

@@ -10,7 +10,12 @@ fn pct(v: Option<f64>) -> String {
         .map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0))
 }
 
-/// The rows as an aligned text table.
+fn num(v: Option<f64>) -> String {
+    v.filter(|v| v.is_finite())
+        .map_or_else(|| "-".into(), |v| format!("{v:.1}"))
+}
+
+/// The rows as an aligned text table. Sizes: MiB = 2^20 bytes, MB = 10^6 bytes.
 pub fn table(rows: &[BenchRow]) -> String {
     let header = [
         "mode",
@@ -24,8 +29,13 @@ pub fn table(rows: &[BenchRow]) -> String {
         "recall",
         "agree",
         "nll Δ",
+        "miss/tok MiB",
+        "io MB/s",
+        "disk MB/s",
+        "disk busy",
+        "bound tok/s",
     ];
-    let cells: Vec<[String; 11]> = rows
+    let cells: Vec<[String; 16]> = rows
         .iter()
         .map(|r| {
             [
@@ -40,6 +50,11 @@ pub fn table(rows: &[BenchRow]) -> String {
                 pct(r.predictor_recall),
                 pct(Some(r.greedy_agreement)),
                 format!("{:+.2}%", r.nll_delta * 100.0),
+                num(r.missing_bytes_per_token.map(|b| b / (1 << 20) as f64)),
+                num(r.io_bytes_per_s.map(|b| b / 1e6)),
+                num(r.disk_bandwidth.map(|b| b / 1e6)),
+                pct(r.disk_busy_share),
+                num(r.storage_bound_tok_s),
             ]
         })
         .collect();
@@ -250,11 +265,34 @@ mod tests {
             lines[2].contains("20.0%") && lines[2].contains("41.5") && lines[2].contains("12.0%")
         );
         assert_eq!(lines[1].chars().count(), lines[2].chars().count());
+        assert!(lines[0].ends_with("bound tok/s"), "{}", lines[0]);
+        // dense has no I/O figures; the cache-backed row has all of them.
+        let tail: Vec<&str> = lines[1].split_whitespace().rev().take(5).collect();
+        assert_eq!(tail, ["-"; 5], "{}", lines[1]);
+    }
+
+    #[test]
+    fn the_disk_columns_show_throughput_share_and_bound() {
+        let r = BenchRow {
+            missing_bytes_per_token: Some(3.0 * (1 << 20) as f64),
+            io_bytes_per_s: Some(465e6),
+            disk_bandwidth: Some(930e6),
+            disk_busy_share: Some(0.5),
+            storage_bound_tok_s: Some(295.6),
+            ..row("on-demand", Some(0.1), 12.0, Some(0.4))
+        };
+        let t = table(&[r]);
+        let last = t.lines().nth(1).unwrap();
+        let tail: Vec<&str> = last.split_whitespace().rev().take(5).collect();
+        assert_eq!(tail, ["295.6", "50.0%", "930.0", "465.0", "3.0"], "{last}");
     }
 
     #[test]
     fn json_round_trips_rows() {
-        let rows = vec![row("prefetch", Some(0.5), 10.0, Some(0.3))];
+        let mut r = row("prefetch", Some(0.5), 10.0, Some(0.3));
+        r.disk_busy_share = Some(0.8);
+        r.storage_bound_tok_s = Some(12.5);
+        let rows = vec![r];
         let back: Vec<BenchRow> = serde_json::from_str(&json(&rows)).unwrap();
         assert_eq!(back, rows);
     }

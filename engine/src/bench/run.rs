@@ -3,9 +3,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::disk::{self, DiskBandwidth, ProbeOptions};
 use super::process;
 use super::{BenchConfig, BenchRow};
 use crate::forward::{FfnExecutor, Model, Session};
+use crate::model::lsm::LsmFile;
 use crate::pipeline::{Executor, ExecutorOptions, Mode, PipelineStats, Policy, SparseModel};
 use crate::sample::argmax;
 use crate::{Error, Result};
@@ -74,6 +76,12 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<Benc
             plan.push((Mode::LeanStream, Some(b), Some(step)));
         }
     }
+    let disk = if cfg.disk_probe && plan.iter().any(|p| p.0.uses_cache()) {
+        progress("disk probe");
+        Some(probe_disk(cfg)?)
+    } else {
+        None
+    };
     progress("dense (reference)");
     let dense = run_one(cfg, Mode::Dense, None, None, None)?;
     let mut rows = Vec::new();
@@ -91,9 +99,29 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<Benc
         });
         let mut out = run_one(cfg, mode, budget, ablation.map(|a| a.1), Some(&dense))?;
         out.row.mode = name;
+        if let Some(bw) = disk.as_ref().filter(|_| mode.uses_cache()) {
+            let r = &mut out.row;
+            r.disk_bandwidth = Some(bw.bytes_per_s);
+            r.disk_busy_share = r.io_bytes_per_s.map(|io| io / bw.bytes_per_s);
+            r.storage_bound_tok_s = r
+                .missing_bytes_per_token
+                .filter(|&m| m > 0.0)
+                .map(|m| bw.bytes_per_s / m);
+        }
         rows.push(out.row);
     }
     Ok(rows)
+}
+
+/// Probes the disk on the model file's streamed section, at the I/O pool's queue depth.
+pub fn probe_disk(cfg: &BenchConfig) -> Result<DiskBandwidth> {
+    let f = LsmFile::parse(&cfg.model, crate::model::map_file(&cfg.model)?)?;
+    let s = &f.header.streamed;
+    let opts = ProbeOptions {
+        queue_depth: cfg.io_threads.max(1),
+        ..ProbeOptions::default()
+    };
+    disk::probe(&cfg.model, s.offset..s.offset + s.len, &opts)
 }
 
 fn run_one(
@@ -105,10 +133,12 @@ fn run_one(
 ) -> Result<RunOutput> {
     process::drop_page_cache(&cfg.model);
     process::reset_peak_rss();
+    let mut chunk_bytes = 0usize;
     let (model, exec) = if mode == Mode::Dense {
         (Model::load(&cfg.model)?, None)
     } else {
         let sm = SparseModel::open(&cfg.model, true)?;
+        chunk_bytes = sm.layout.chunk_bytes;
         let cache_bytes = budget.map_or(0, |b| (b * sm.layout.streamed_bytes() as f64) as usize);
         let exec = Executor::new(
             &sm,
@@ -117,6 +147,7 @@ fn run_one(
                 policy,
                 cache_bytes,
                 io_threads: cfg.io_threads,
+                io_gap_bytes: cfg.io_gap_bytes,
                 precision: cfg.precision,
                 predictor: Some(cfg.predictor),
             },
@@ -202,6 +233,13 @@ fn run_one(
             stats.computed_neurons as f64 / (stats.tokens.max(1) as f64 * per_token_neurons)
         }),
         tokens_decoded: decoded,
+        io_bytes_per_s: cache.then(|| stats.bytes_read as f64 / decode_s.max(1e-9)),
+        missing_bytes_per_token: cache
+            .then(|| (stats.misses * chunk_bytes as u64) as f64 / stats.tokens.max(1) as f64),
+        // Filled in by `run` from the one disk probe.
+        disk_bandwidth: None,
+        disk_busy_share: None,
+        storage_bound_tok_s: None,
     };
     Ok(RunOutput { row, generated })
 }

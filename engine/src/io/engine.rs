@@ -29,6 +29,8 @@ pub struct IoStats {
     pub coalesced: u64,
     /// Bytes delivered into targets by successful requests.
     pub bytes: u64,
+    /// Bytes read only to bridge a gap between merged requests, then dropped.
+    pub gap_bytes: u64,
     /// Reads issued again after a failed one (see [`ThreadPoolIo`](super::ThreadPoolIo) for the policy).
     pub retries: u64,
     /// Requests completed with an error.
@@ -66,11 +68,19 @@ pub trait IoEngine: Send + Sync {
     fn reset_stats(&self);
 }
 
+/// Default of [`IoOptions::max_gap_bytes`] (see the README's I/O notes for the measurement).
+pub const DEFAULT_MAX_GAP_BYTES: usize = 8 << 10;
+
 /// Options of [`ThreadPoolIo`](super::ThreadPoolIo).
 #[derive(Clone, Debug)]
 pub struct IoOptions {
     /// Largest merged read, in bytes (default 1 MiB). A single larger request is still read whole.
     pub max_coalesce_bytes: usize,
+    /// Largest hole between two queued requests that a merged read may span (default 8 KiB):
+    /// the hole's bytes are read into a scratch buffer and dropped. A separate request costs
+    /// more than a few pages of transfer on an SSD, so bridging small holes (left by chunks
+    /// that are cached or not needed) keeps reads large. 0 merges exactly adjacent requests only.
+    pub max_gap_bytes: usize,
     /// Extra attempts for a failed request (default 3): up to `1 + retries` reads per request.
     pub retries: u32,
     /// Queue entries to preallocate (default 4096); the queue grows past it if needed.
@@ -81,6 +91,7 @@ impl Default for IoOptions {
     fn default() -> Self {
         IoOptions {
             max_coalesce_bytes: 1 << 20,
+            max_gap_bytes: DEFAULT_MAX_GAP_BYTES,
             retries: 3,
             queue_capacity: 4096,
         }

@@ -19,7 +19,7 @@ pub mod read;
 
 pub use aligned::{AlignedBuf, PAGE, align_down, align_up, align_up_usize, is_page_aligned};
 pub use direct::DirectFile;
-pub use engine::{Completion, IoEngine, IoOptions, IoStats};
+pub use engine::{Completion, DEFAULT_MAX_GAP_BYTES, IoEngine, IoOptions, IoStats};
 pub use fault::{Fault, FaultKind, FaultyReader, MemReader};
 pub use pool::ThreadPoolIo;
 pub use queue::{ReadRequest, ReadTarget};

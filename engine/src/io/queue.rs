@@ -85,7 +85,7 @@ pub(crate) struct Queued {
 
 /// The request queue: highest priority first, FIFO among equal priorities; O(log n) push, pop,
 /// reprioritise and cancel; and an index by file position so that a pop can take the requests
-/// exactly adjacent to the top one ([`RequestQueue::pop_merged`]).
+/// next to the top one ([`RequestQueue::pop_merged`]).
 #[derive(Debug, Default)]
 pub(crate) struct RequestQueue {
     by_priority: BTreeMap<(u32, u64), u64>,
@@ -158,35 +158,42 @@ impl RequestQueue {
         self.remove(id)
     }
 
-    /// The coalescing plan: pops the highest-priority request, then repeatedly takes a queued
-    /// request that starts exactly where the merged range ends or ends exactly where it starts,
-    /// as long as the merged range stays within `max_bytes` (the top request alone may exceed it).
+    /// The coalescing plan: pops the highest-priority request, then repeatedly takes the queued
+    /// request nearest after the merged range (starting at most `max_gap` bytes past its end) or
+    /// nearest before it (ending at most `max_gap` bytes before its start), as long as the merged
+    /// range, holes included, stays within `max_bytes` (the top request alone may exceed it).
     /// Forward and backward extensions alternate; the result is maximal (no queued request
-    /// adjacent to it would still fit).
-    /// Appends the taken requests to `out` sorted by offset: a contiguous file range.
-    /// Returns how many were appended (0 if the queue is empty).
-    pub(crate) fn pop_merged(&mut self, max_bytes: usize, out: &mut Vec<ReadRequest>) -> usize {
+    /// within `max_gap` of it would still fit). No queued request lies inside a hole.
+    /// Appends the taken requests to `out` sorted by offset. Returns how many were appended
+    /// (0 if the queue is empty).
+    pub(crate) fn pop_merged(
+        &mut self,
+        max_bytes: usize,
+        max_gap: usize,
+        out: &mut Vec<ReadRequest>,
+    ) -> usize {
         let first = out.len();
         let Some(top) = self.pop() else {
             return 0;
         };
         let (mut lo, mut hi) = (top.offset, top.end());
         out.push(top);
-        let room = |lo: u64, hi: u64, r: &ReadRequest| hi - lo + r.target.len as u64;
+        let gap = max_gap as u64;
+        let fits = |lo: u64, hi: u64| hi - lo <= max_bytes as u64;
         loop {
             let mut grew = false;
-            if let Some(id) = self.first_at(&self.by_start, hi)
+            if let Some(id) = self.nearest(&self.by_start, hi, hi.saturating_add(gap), false)
                 && let Some(q) = self.entries.get(&id)
-                && room(lo, hi, &q.req) <= max_bytes as u64
+                && fits(lo, q.req.end())
                 && let Some(r) = self.remove(id)
             {
                 hi = r.end();
                 out.push(r);
                 grew = true;
             }
-            if let Some(id) = self.first_at(&self.by_end, lo)
+            if let Some(id) = self.nearest(&self.by_end, lo.saturating_sub(gap), lo, true)
                 && let Some(q) = self.entries.get(&id)
-                && room(lo, hi, &q.req) <= max_bytes as u64
+                && fits(q.req.offset, hi)
                 && let Some(r) = self.remove(id)
             {
                 lo = r.offset;
@@ -201,9 +208,22 @@ impl RequestQueue {
         out.len() - first
     }
 
-    /// The shortest (then earliest-submitted) request whose index position (start or end) is
-    /// `pos`: if it does not fit in a merge, none there does.
-    fn first_at(&self, index: &BTreeMap<(u64, usize, u64), u64>, pos: u64) -> Option<u64> {
+    /// The request whose index position (start or end) is in `from..=to`, nearest to `from`
+    /// (`last` false) or to `to` (`last` true); among equal positions the shortest, then the
+    /// earliest submitted. If it does not fit in a merge, none farther does.
+    fn nearest(
+        &self,
+        index: &BTreeMap<(u64, usize, u64), u64>,
+        from: u64,
+        to: u64,
+        last: bool,
+    ) -> Option<u64> {
+        let mut range = index.range((from, 0, 0)..=(to, usize::MAX, u64::MAX));
+        let pos = if last {
+            range.next_back()?.0.0
+        } else {
+            range.next()?.0.0
+        };
         index
             .range((pos, 0, 0)..=(pos, usize::MAX, u64::MAX))
             .next()
@@ -273,54 +293,73 @@ mod tests {
         }
         q.push(req(9, 100 * 4096, 4096, 1.0)).expect("unique");
         let mut out = Vec::new();
-        assert_eq!(q.pop_merged(3 * 4096, &mut out), 3);
+        assert_eq!(q.pop_merged(3 * 4096, 0, &mut out), 3);
         let ids: Vec<u64> = out.iter().map(|r| r.id).collect();
         assert_eq!(ids, [2, 3, 4]);
         out.clear();
         assert_eq!(
-            q.pop_merged(1 << 20, &mut out),
+            q.pop_merged(1 << 20, 0, &mut out),
             1,
             "the far one has priority 1.0"
         );
         assert_eq!(out[0].id, 9);
         out.clear();
-        assert_eq!(q.pop_merged(1 << 20, &mut out), 2);
+        assert_eq!(q.pop_merged(1 << 20, 0, &mut out), 2);
         assert!(q.is_empty());
     }
 
     proptest! {
-        /// The plan is a contiguous, offset-sorted run that contains the top-priority request,
-        /// stays within the limit (unless the top alone exceeds it), and is maximal: no queued
-        /// request is adjacent to it and would still fit.
+        /// The plan is an offset-sorted run with holes of at most `gap_pages` that contains the
+        /// top-priority request, stays within the limit (unless the top alone exceeds it), has no
+        /// queued request inside it, and is maximal: no queued request within the hole limit of
+        /// either end would still fit.
         #[test]
-        fn merge_plan_is_contiguous_bounded_and_maximal(
+        fn merge_plan_is_sorted_bounded_and_maximal(
             reqs in prop::collection::vec((0u64..40, 1usize..4, 0u8..4), 1..40),
             max_pages in 1usize..10,
+            gap_pages in 0usize..3,
         ) {
             let mut q = RequestQueue::default();
             let mut best: Option<(u8, u64)> = None;
+            // Non-overlapping requests, as the pipeline submits them (one per chunk).
+            let mut taken = [false; 44];
             for (id, &(page, pages, p)) in reqs.iter().enumerate() {
+                let span = page as usize..page as usize + pages;
+                if taken[span.clone()].iter().any(|&t| t) {
+                    continue;
+                }
+                taken[span].iter_mut().for_each(|t| *t = true);
                 let id = id as u64;
                 q.push(req(id, page * 4096, pages * 4096, p as f32)).expect("unique");
                 if best.is_none_or(|(bp, _)| p > bp) {
                     best = Some((p, id));
                 }
             }
-            let max = max_pages * 4096;
+            let queued = q.len();
+            let (max, gap) = ((max_pages * 4096) as u64, (gap_pages * 4096) as u64);
             let mut out = Vec::new();
-            let n = q.pop_merged(max, &mut out);
+            let n = q.pop_merged(max as usize, gap as usize, &mut out);
             prop_assert_eq!(n, out.len());
             prop_assert!(out.iter().any(|r| Some(r.id) == best.map(|b| b.1)));
-            prop_assert!(out.windows(2).all(|w| w[0].end() == w[1].offset));
+            prop_assert!(out.windows(2).all(|w| w[0].end() <= w[1].offset));
+            prop_assert!(out.windows(2).all(|w| w[1].offset - w[0].end() <= gap));
             let (lo, hi) = (out[0].offset, out[n - 1].end());
-            let span = (hi - lo) as usize;
-            prop_assert!(span <= max || n == 1);
-            for (_, qd) in q.entries.iter() {
-                let r = &qd.req;
-                let adjacent = r.offset == hi || r.end() == lo;
-                prop_assert!(!(adjacent && span + r.target.len() <= max), "missed {}", r.id);
+            prop_assert!(hi - lo <= max || n == 1);
+            let rest: Vec<&ReadRequest> = q.entries.values().map(|qd| &qd.req).collect();
+            for r in &rest {
+                prop_assert!(r.end() <= lo || r.offset >= hi, "{} inside the run", r.id);
             }
-            prop_assert_eq!(q.len() + n, reqs.len());
+            // Only the nearest request on each side can extend the run (a farther one would
+            // leave it inside a hole).
+            if let Some(r) = rest.iter().filter(|r| r.offset >= hi).min_by_key(|r| r.offset) {
+                let fits = r.offset - hi <= gap && r.end() - lo <= max;
+                prop_assert!(!fits, "missed {} after the run", r.id);
+            }
+            if let Some(r) = rest.iter().filter(|r| r.end() <= lo).max_by_key(|r| r.end()) {
+                let fits = lo - r.end() <= gap && hi - r.offset <= max;
+                prop_assert!(!fits, "missed {} before the run", r.id);
+            }
+            prop_assert_eq!(q.len() + n, queued);
         }
     }
 }

@@ -11,7 +11,7 @@ use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
-use crate::io::{DirectFile, ThreadPoolIo};
+use crate::io::{DirectFile, IoOptions, ThreadPoolIo};
 use crate::model::LayerWeights;
 use crate::predict::PredictorKind;
 use crate::{Error, Result};
@@ -25,6 +25,8 @@ pub struct ExecutorOptions {
     /// Bytes of the neuron cache (cache-backed modes).
     pub cache_bytes: usize,
     pub io_threads: usize,
+    /// Largest hole a merged read may bridge ([`IoOptions::max_gap_bytes`]).
+    pub io_gap_bytes: usize,
     pub precision: Precision,
     /// The predictor choosing chunks; `None` computes every chunk (sparsity off).
     pub predictor: Option<PredictorKind>,
@@ -58,8 +60,11 @@ impl Executor {
                     .or_else(|| Policy::for_mode(mode))
                     .expect("every cache-backed mode has a policy");
                 let file = DirectFile::open(&sm.path)?;
-                let io =
-                    ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), Default::default())?;
+                let io_opts = IoOptions {
+                    max_gap_bytes: opts.io_gap_bytes,
+                    ..IoOptions::default()
+                };
+                let io = ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), io_opts)?;
                 Ok(Executor::Streaming(Box::new(StreamingFfn::new(
                     Arc::clone(sm),
                     selector,

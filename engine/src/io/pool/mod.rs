@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::aligned::AlignedBuf;
 use super::engine::{Completion, IoEngine, IoOptions, IoStats};
 use super::queue::{ReadRequest, RequestQueue};
 use super::read::{ReadAt, ReadCounters, read_exact_at};
@@ -21,6 +22,7 @@ struct AtomicStats {
     syscalls: AtomicU64,
     coalesced: AtomicU64,
     bytes: AtomicU64,
+    gap_bytes: AtomicU64,
     retries: AtomicU64,
     failures: AtomicU64,
     busy_ns: AtomicU64,
@@ -56,9 +58,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// [`IoEngine`] on `threads` OS threads named `leanstream-io-N`.
 ///
-/// Coalescing: a worker pops the top request and every queued request exactly adjacent to it in
-/// the file (repeatedly, both ways) up to `max_coalesce_bytes`, and reads them with one vectored
-/// read; each request still gets its own [`Completion`].
+/// Coalescing: a worker pops the top request and the queued requests next to it in the file
+/// (repeatedly, both ways, across holes of up to `max_gap_bytes`) up to `max_coalesce_bytes`, and
+/// reads them with one vectored read, holes into a per-worker scratch buffer; each request still
+/// gets its own [`Completion`].
 ///
 /// Retries: a merged read that fails is not retried as a whole; its requests are re-read one by
 /// one, so that one bad range cannot fail its neighbours. A single request is read up to
@@ -218,6 +221,7 @@ impl IoEngine for ThreadPoolIo {
             syscalls: get(&s.syscalls),
             coalesced: get(&s.coalesced),
             bytes: get(&s.bytes),
+            gap_bytes: get(&s.gap_bytes),
             retries: get(&s.retries),
             failures: get(&s.failures),
             busy_ns: get(&s.busy_ns),
@@ -231,6 +235,7 @@ impl IoEngine for ThreadPoolIo {
             &s.syscalls,
             &s.coalesced,
             &s.bytes,
+            &s.gap_bytes,
             &s.retries,
             &s.failures,
             &s.busy_ns,
@@ -273,6 +278,19 @@ impl Shared {
         let mut batch: Vec<ReadRequest> = Vec::with_capacity(64);
         let mut iov: Vec<IoSliceMut<'static>> = Vec::with_capacity(64);
         let mut results: Vec<Completion> = Vec::with_capacity(64);
+        // Holes of a merged read land here: the merged range, holes included, is at most
+        // `max_coalesce_bytes`. Without it (no holes allowed, or no memory) only adjacent
+        // requests merge.
+        let mut scratch = if self.opts.max_gap_bytes > 0 {
+            AlignedBuf::zeroed(self.opts.max_coalesce_bytes).ok()
+        } else {
+            None
+        };
+        let max_gap = if scratch.is_some() {
+            self.opts.max_gap_bytes
+        } else {
+            0
+        };
         loop {
             {
                 let mut st = lock(&self.queue);
@@ -283,9 +301,9 @@ impl Shared {
                     return;
                 }
                 st.queue
-                    .pop_merged(self.opts.max_coalesce_bytes, &mut batch);
+                    .pop_merged(self.opts.max_coalesce_bytes, max_gap, &mut batch);
             }
-            self.run_batch(&batch, &mut iov, &mut results);
+            self.run_batch(&batch, &mut iov, scratch.as_mut(), &mut results);
             batch.clear();
             let mut done = lock(&self.done);
             done.append(&mut results);
@@ -293,16 +311,19 @@ impl Shared {
         }
     }
 
-    /// Reads a contiguous, offset-sorted batch and appends one completion per request.
+    /// Reads an offset-sorted batch (holes between requests go to `scratch`) and appends one
+    /// completion per request.
     fn run_batch(
         &self,
         batch: &[ReadRequest],
         iov: &mut Vec<IoSliceMut<'static>>,
+        scratch: Option<&mut AlignedBuf>,
         out: &mut Vec<Completion>,
     ) {
         if batch.len() > 1 {
             add(&self.stats.coalesced, batch.len() as u64 - 1);
-            if self.read(batch, iov).is_ok() {
+            if let Ok(holes) = self.read(batch, iov, scratch) {
+                add(&self.stats.gap_bytes, holes);
                 for r in batch {
                     self.succeed(r, out);
                 }
@@ -313,8 +334,8 @@ impl Shared {
         for r in batch {
             let mut attempt = 1;
             loop {
-                match self.read(std::slice::from_ref(r), iov) {
-                    Ok(()) => break self.succeed(r, out),
+                match self.read(std::slice::from_ref(r), iov, None) {
+                    Ok(_) => break self.succeed(r, out),
                     Err(_) if attempt <= self.opts.retries => {
                         attempt += 1;
                         add(&self.stats.retries, 1);
@@ -346,20 +367,38 @@ impl Shared {
         });
     }
 
-    /// One exact read of the contiguous `reqs` into their targets.
+    /// One exact read of the offset-sorted `reqs` into their targets, the holes between them into
+    /// `scratch`. Returns the bytes of the holes.
     fn read(
         &self,
         reqs: &[ReadRequest],
         spare: &mut Vec<IoSliceMut<'static>>,
-    ) -> std::io::Result<()> {
+        scratch: Option<&mut AlignedBuf>,
+    ) -> std::io::Result<u64> {
         let mut bufs: Vec<IoSliceMut<'_>> = recycle(std::mem::take(spare));
+        let mut free: &mut [u8] = scratch.map_or(&mut [], |s| s.as_mut_slice());
+        let (mut pos, mut holes) = (reqs[0].offset, 0u64);
         for r in reqs {
+            let hole = (r.offset - pos) as usize;
+            if hole > 0 {
+                if hole > free.len() {
+                    *spare = recycle(bufs);
+                    return Err(std::io::Error::other(
+                        "a hole larger than the scratch buffer",
+                    ));
+                }
+                let (h, rest) = std::mem::take(&mut free).split_at_mut(hole);
+                free = rest;
+                bufs.push(IoSliceMut::new(h));
+                holes += hole as u64;
+            }
             // SAFETY: the submitter guaranteed (IoEngine::submit) that the target is valid for
             // writes of its length and untouched by anyone else until the completion, which is
             // delivered only after this slice is gone; the request was popped from the queue, so
             // only this worker holds it.
             let s = unsafe { std::slice::from_raw_parts_mut(r.target.as_ptr(), r.target.len()) };
             bufs.push(IoSliceMut::new(s));
+            pos = r.end();
         }
         let start = Instant::now();
         let mut counters = ReadCounters::default();
@@ -367,7 +406,7 @@ impl Shared {
         add(&self.stats.busy_ns, start.elapsed().as_nanos() as u64);
         add(&self.stats.syscalls, counters.syscalls);
         *spare = recycle(bufs);
-        res
+        res.map(|()| holes)
     }
 }
 

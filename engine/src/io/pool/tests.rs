@@ -291,6 +291,49 @@ fn coalescing_reduces_syscalls_and_fills_each_target() {
     assert_eq!(s.coalesced, 16 - merged_reads, "{s:?}");
 }
 
+/// Queues pages 0, 2, 3, 6 and 20 behind a blocked read and reads them with holes of up to
+/// `max_gap_pages` bridged.
+fn hole_run(max_gap_pages: usize) -> (IoStats, bool) {
+    let data = pattern(64 * PAGE);
+    let gate = Gate::new(Arc::new(MemReader::new(data.clone())));
+    let mut arena = AlignedBuf::zeroed(6 * 4 * PAGE).expect("arena");
+    let opts = IoOptions {
+        max_gap_bytes: max_gap_pages * PAGE,
+        ..IoOptions::default()
+    };
+    let io = ThreadPoolIo::new(gate.clone(), 1, opts).expect("pool");
+    submit(&io, &mut arena, 100, 60, 1, 5, 0.0);
+    wait_until("the first read to block", || {
+        gate.started.load(Ordering::SeqCst) == 1
+    });
+    let pages = [0u64, 2, 3, 6, 20];
+    for (i, &page) in pages.iter().enumerate() {
+        submit(&io, &mut arena, page, page, 1, i, 1.0);
+    }
+    gate.open();
+    let done = collect(&io, pages.len() + 1);
+    let ok = done.iter().all(|c| c.result.is_ok())
+        && pages
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| slot(&arena, i, 1) == &data[p as usize * PAGE..][..PAGE]);
+    (io.stats(), ok)
+}
+
+#[test]
+fn merged_reads_bridge_small_holes_into_scratch() {
+    // Holes of 1 and 2 pages are bridged; the 13-page hole to page 20 is not.
+    let (s, ok) = hole_run(2);
+    assert!(ok, "every target holds its own page");
+    assert_eq!((s.syscalls, s.coalesced), (3, 3), "{s:?}");
+    assert_eq!(s.gap_bytes, 3 * PAGE as u64, "{s:?}");
+    assert_eq!(s.bytes, 6 * PAGE as u64, "holes are not delivered bytes");
+    // Without holes only pages 2 and 3 merge.
+    let (s, ok) = hole_run(0);
+    assert!(ok);
+    assert_eq!((s.syscalls, s.coalesced, s.gap_bytes), (5, 1, 0), "{s:?}");
+}
+
 #[test]
 fn duplicate_ids_and_empty_targets_complete_at_once() {
     let gate = Gate::new(Arc::new(MemReader::new(pattern(64 * PAGE))));

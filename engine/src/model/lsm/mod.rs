@@ -24,6 +24,7 @@
 
 mod calibration;
 mod rewrite;
+pub mod synth;
 mod write;
 
 use std::path::Path;

@@ -182,13 +182,7 @@ pub fn write_calibrated(
             .as_mut()
             .expect("set above: the header carries calibration");
         for (t, e) in tensors.iter().zip(&mut cal.tensors) {
-            let at = out.pos.div_ceil(64) * 64;
-            crc.update(&vec![0u8; (at - out.pos) as usize]);
-            out.pad_to(at)?;
-            e.offset = at - start;
-            e.len = t.bytes.len() as u64;
-            crc.update(&t.bytes);
-            out.write(&t.bytes)?;
+            (e.offset, e.len) = out.write_tensor(start, &t.bytes, &mut crc)?;
         }
         cal.section = Some(Section {
             offset: start,

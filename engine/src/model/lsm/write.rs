@@ -100,6 +100,23 @@ impl Out {
         Ok(())
     }
 
+    /// Writes one tensor of a CRC-checked section at the next 64-byte boundary, feeding the zero
+    /// padding and `bytes` to the section's `crc`. Returns its offset from `section_start` and
+    /// its length, as the tensor directory records them.
+    pub(super) fn write_tensor(
+        &mut self,
+        section_start: u64,
+        bytes: &[u8],
+        crc: &mut crc32fast::Hasher,
+    ) -> Result<(u64, u64)> {
+        let at = self.pos.div_ceil(64) * 64;
+        crc.update(&[0u8; 64][..(at - self.pos) as usize]);
+        self.pad_to(at)?;
+        crc.update(bytes);
+        self.write(bytes)?;
+        Ok((at - section_start, bytes.len() as u64))
+    }
+
     pub(super) fn pad_to(&mut self, at: u64) -> Result<()> {
         const ZEROS: [u8; ALIGN] = [0; ALIGN];
         while self.pos < at {
@@ -215,13 +232,7 @@ pub fn convert(
         let res_start = out.pos;
         let mut crc = crc32fast::Hasher::new();
         for (entry, (_, t)) in header.tensors.iter_mut().zip(&resident) {
-            let at = out.pos.div_ceil(64) * 64;
-            crc.update(&vec![0u8; (at - out.pos) as usize]);
-            out.pad_to(at)?;
-            entry.offset = at - res_start;
-            entry.len = t.data.len() as u64;
-            crc.update(&t.data);
-            out.write(&t.data)?;
+            (entry.offset, entry.len) = out.write_tensor(res_start, &t.data, &mut crc)?;
         }
         header.resident = Section {
             offset: res_start,

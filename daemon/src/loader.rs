@@ -1,0 +1,318 @@
+//! Loading a model the way the config says (`[engine]` and `[models.NAME]`: mode, sparsity,
+//! cache share): the dense forward pass, or a sparse pipeline over a `.lsm` file (DESIGN §6) with
+//! its neuron cache. One [`Executor`] per loaded model holds the cache and the I/O threads and is
+//! shared by every session on the model (DESIGN §7); each session keeps its own KV cache.
+//!
+//! Memory is reserved before anything large is read or allocated: [`Footprint::of`] reads only
+//! the file's header, the state owner reserves the footprint in the arbiter, and only then does
+//! [`LoadedModel::load`] map the weights and allocate the cache.
+
+use std::sync::{Arc, Mutex};
+
+use leanstream::contract::LeanStreamError;
+use leanstream_engine::chat::ChatTemplate;
+use leanstream_engine::forward::Model;
+use leanstream_engine::model::lsm::LsmFile;
+use leanstream_engine::model::map_file;
+use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
+use leanstream_engine::predict::PredictorKind;
+
+use crate::config::{ModelParams, Params};
+use crate::models::ModelFile;
+
+/// Why a load failed. Cloneable, unlike the wire error, because every request waiting for the
+/// model gets the answer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The footprint does not fit the budget beside what is already reserved.
+    #[error("{0}")]
+    OverBudget(String),
+    /// Anything else: the file, or a setting the file cannot satisfy.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl LoadError {
+    pub fn to_wire(&self) -> LeanStreamError {
+        match self {
+            LoadError::OverBudget(m) => LeanStreamError::OverBudget(m.clone()),
+            LoadError::Failed(m) => LeanStreamError::Internal(m.clone()),
+        }
+    }
+}
+
+/// What a loaded model holds in memory, as the arbiter accounts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    /// Weights and tables kept for the model's lifetime.
+    pub resident_bytes: u64,
+    /// The neuron cache's arena (0 without one).
+    pub cache_bytes: u64,
+}
+
+impl Footprint {
+    /// The footprint of `file` run as `p` says, from the file size and (for sparse modes) the
+    /// `.lsm` header alone:
+    ///
+    /// - `dense`: the whole file (every weight is read and kept);
+    /// - `mmap`: the whole file too: the OS page cache may keep every page of the map;
+    /// - `on-demand`, `prefetch`, `leanstream`: the file less its streamed FFN section (which is
+    ///   read into the cache, never mapped in), plus a cache of `cache_share` of the streamed
+    ///   bytes, rounded down to whole chunks (what the engine allocates).
+    ///
+    /// Sparse modes need a `.lsm` file; a GGUF file is refused with the command that converts it.
+    pub fn of(file: &ModelFile, p: &ModelParams) -> Result<Footprint, LoadError> {
+        let whole = Footprint {
+            resident_bytes: file.bytes,
+            cache_bytes: 0,
+        };
+        if p.mode == Mode::Dense {
+            return Ok(whole);
+        }
+        if file.format != "lsm" {
+            return Err(LoadError::Failed(format!(
+                "model {0} is a {1} file, but `{2}` = \"{3}\" streams from a .lsm file: convert it \
+                 with `leanstream convert {0}.{1} -o {0}.lsm` in the model directory",
+                file.name, file.format, p.mode_key, p.mode
+            )));
+        }
+        if p.mode == Mode::Mmap {
+            return Ok(whole);
+        }
+        let failed = |e: leanstream_engine::Error| LoadError::Failed(e.to_string());
+        let lsm =
+            LsmFile::parse(&file.path, map_file(&file.path).map_err(failed)?).map_err(failed)?;
+        let layout = ChunkLayout::from_header(&file.path, &lsm.header).map_err(failed)?;
+        let total = layout.total_chunks();
+        let chunks = ((p.cache_share * total as f64).floor() as usize).min(total);
+        Ok(Footprint {
+            resident_bytes: file.bytes.saturating_sub(lsm.header.streamed.len),
+            cache_bytes: (chunks * layout.chunk_bytes) as u64,
+        })
+    }
+}
+
+/// A loaded model, shared by all sessions on it.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub name: String,
+    /// Weights, tokenizer and chat template. In a sparse mode its FFN weights are views of the
+    /// memory map that the pipeline never touches (it reads chunks into its cache instead).
+    pub model: Arc<Model>,
+    pub template: ChatTemplate,
+    /// The sparse FFN pipeline with the model's neuron cache and I/O threads; `None` in `dense`
+    /// mode. Only the scheduler thread locks it, one forward pass at a time, so the lock is never
+    /// contended; it is there because the model is shared with the state owner.
+    pub ffn: Option<Mutex<Executor>>,
+}
+
+impl LoadedModel {
+    /// Loads `file` as `params` say for its model, with a neuron cache of `cache_bytes` (from
+    /// its [`Footprint`], already reserved). Blocking: call on a loader thread.
+    ///
+    /// Sparse modes refuse: a file without calibration unless sparsity is off (the engine's
+    /// message names `leanstream calibrate`); a configured sparsity other than the file's
+    /// calibrated target (naming `leanstream calibrate --sparsity S`); a cache smaller than one
+    /// layer's chunks (naming the bytes needed and the key to raise).
+    pub fn load(
+        file: &ModelFile,
+        params: &Params,
+        cache_bytes: u64,
+    ) -> Result<LoadedModel, LoadError> {
+        let p = params.model(&file.name);
+        let failed = |e: leanstream_engine::Error| {
+            LoadError::Failed(format!("loading model {}: {e}", file.name))
+        };
+        let (model, ffn) = if p.mode == Mode::Dense {
+            (Model::load(&file.path).map_err(failed)?, None)
+        } else {
+            let sm = open_sparse(file, p)?;
+            let off = p.sparsity == Some(0.0);
+            let exec = Executor::new(
+                &sm,
+                ExecutorOptions {
+                    mode: p.mode,
+                    policy: None,
+                    cache_bytes: cache_bytes as usize,
+                    io_threads: params.io_threads,
+                    io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
+                    precision: params.precision,
+                    predictor: (!off).then_some(PredictorKind::LowRank),
+                },
+            )
+            .map_err(|e| match e {
+                leanstream_engine::Error::OverBudget { .. } => LoadError::Failed(format!(
+                    "model {}: `{}` = {} makes a neuron cache of {cache_bytes} bytes, less than \
+                     one layer's chunks: raise it ({e})",
+                    file.name, p.cache_share_key, p.cache_share
+                )),
+                e => failed(e),
+            })?;
+            tracing::info!(
+                "model {}: {} mode, sparsity {}, neuron cache {} bytes ({} of the streamed FFN)",
+                file.name,
+                p.mode,
+                if off {
+                    "off".to_string()
+                } else {
+                    format!("{:.2}", sm.sparsity)
+                },
+                exec.cache_bytes(),
+                p.cache_share
+            );
+            (Arc::clone(&sm.model), Some(Mutex::new(exec)))
+        };
+        let source = model
+            .chat_template
+            .as_deref()
+            .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
+        let tok = &model.tokenizer;
+        let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
+        let template = ChatTemplate::new(
+            source,
+            &text(tok.specials().bos),
+            &text(tok.specials().eos.first().copied()),
+        )
+        .map_err(failed)?;
+        Ok(LoadedModel {
+            name: file.name.clone(),
+            model,
+            template,
+            ffn,
+        })
+    }
+}
+
+/// Opens `file` for a sparse mode and checks its calibration against the configured sparsity.
+/// With sparsity off the thresholds are cleared, so every neuron counts and the pipeline
+/// computes the dense FFN.
+fn open_sparse(file: &ModelFile, p: &ModelParams) -> Result<Arc<SparseModel>, LoadError> {
+    let name = &file.name;
+    let off = p.sparsity == Some(0.0);
+    let mut sm = SparseModel::open(&file.path, !off).map_err(|e| {
+        LoadError::Failed(format!(
+            "model {name} cannot run in `{}` mode: {e} (or set `{}` = 0 to stream it without \
+             sparsity)",
+            p.mode, p.sparsity_key
+        ))
+    })?;
+    if off {
+        #[allow(clippy::expect_used)]
+        let m = Arc::get_mut(&mut sm)
+            .expect("broken invariant: SparseModel::open returns an unshared model");
+        m.thresholds.fill(0.0);
+        m.sparsity = 0.0;
+    } else if let Some(want) = p.sparsity
+        && (f64::from(sm.sparsity) - want).abs() > 1e-4
+    {
+        return Err(LoadError::Failed(format!(
+            "model {name} is calibrated for sparsity {:.2}, but `{}` = {want}: run `leanstream \
+             calibrate --sparsity {want} {name}.lsm` in the model directory, or unset the key to \
+             use the file's",
+            sm.sparsity, p.sparsity_key
+        )));
+    }
+    Ok(sm)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::testing::Fixture;
+
+    /// Loads `file` the way the state owner does: footprint first, then the model.
+    fn load(file: &ModelFile, params: &Params) -> Result<(Footprint, LoadedModel), LoadError> {
+        let fp = Footprint::of(file, params.model(&file.name))?;
+        Ok((fp, LoadedModel::load(file, params, fp.cache_bytes)?))
+    }
+
+    fn failure(r: Result<(Footprint, LoadedModel), LoadError>) -> String {
+        match r {
+            Err(LoadError::Failed(m)) => m,
+            other => panic!("expected a load failure, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_streaming_mode_accounts_the_resident_part_and_its_cache() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", None);
+        let header = LsmFile::open(&file.path).unwrap().header;
+        let layout = ChunkLayout::from_header(&file.path, &header).unwrap();
+        assert_eq!(layout.total_chunks(), 16);
+        let params =
+            fx.params("[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 0.75\n");
+        let (fp, model) = load(&file, &params).unwrap();
+        // The streamed FFN section is not resident: it is read into the cache.
+        assert!(header.streamed.len > 0);
+        assert_eq!(fp.resident_bytes, file.bytes - header.streamed.len);
+        // 0.75 of 16 chunks, in whole chunks; the engine allocates exactly that.
+        assert_eq!(fp.cache_bytes, 12 * layout.chunk_bytes as u64);
+        let exec = model.ffn.as_ref().unwrap().lock().unwrap();
+        assert_eq!(exec.cache_bytes() as u64, fp.cache_bytes);
+        drop(exec);
+
+        // Dense mode keeps the whole file and has no pipeline.
+        let (fp, model) = load(&file, &fx.params("")).unwrap();
+        assert_eq!((fp.resident_bytes, fp.cache_bytes), (file.bytes, 0));
+        assert!(model.ffn.is_none());
+    }
+
+    #[test]
+    fn a_cache_smaller_than_one_layer_is_refused_with_the_bytes_needed() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", None);
+        let header = LsmFile::open(&file.path).unwrap().header;
+        let layout = ChunkLayout::from_header(&file.path, &header).unwrap();
+        let one_layer = layout.chunks_per_layer * layout.chunk_bytes;
+        // 0.25 of the model is half a layer.
+        let params =
+            fx.params("[models.tiny]\nmode = \"on-demand\"\nsparsity = 0\ncache_share = 0.25\n");
+        let msg = failure(load(&file, &params));
+        assert!(msg.contains(&one_layer.to_string()), "{msg}");
+        assert!(msg.contains("models.tiny.cache_share"), "{msg}");
+    }
+
+    #[test]
+    fn a_streaming_mode_needs_a_calibrated_file_unless_sparsity_is_off() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", None);
+        let msg = failure(load(&file, &fx.params("[engine]\nmode = \"leanstream\"\n")));
+        assert!(msg.contains("leanstream calibrate"), "{msg}");
+        assert!(msg.contains("engine.sparsity"), "{msg}");
+        let off =
+            fx.params("[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 1.0\n");
+        assert!(load(&file, &off).is_ok());
+    }
+
+    #[test]
+    fn a_sparsity_other_than_the_calibrated_target_is_refused() {
+        let fx = Fixture::new();
+        let file = fx.lsm("tiny", Some(0.4));
+        let at = |s: &str| {
+            fx.params(&format!(
+                "[models.tiny]\nmode = \"leanstream\"\ncache_share = 1.0\n{s}"
+            ))
+        };
+        let msg = failure(load(&file, &at("sparsity = 0.5\n")));
+        assert!(msg.contains("leanstream calibrate --sparsity 0.5"), "{msg}");
+        assert!(msg.contains("models.tiny.sparsity"), "{msg}");
+        assert!(msg.contains("0.40"), "names the file's target: {msg}");
+        // The file's own target, asked for or not, loads.
+        assert!(load(&file, &at("sparsity = 0.4\n")).is_ok());
+        assert!(load(&file, &at("")).is_ok());
+    }
+
+    #[test]
+    fn a_gguf_file_in_a_streaming_mode_asks_for_leanstream_convert() {
+        let fx = Fixture::new();
+        let file = fx.gguf("tiny");
+        let msg = failure(load(
+            &file,
+            &fx.params("[models.tiny]\nmode = \"prefetch\"\n"),
+        ));
+        assert!(msg.contains("leanstream convert"), "{msg}");
+        assert!(msg.contains("models.tiny.mode"), "{msg}");
+    }
+}

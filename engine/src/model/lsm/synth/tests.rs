@@ -1,0 +1,140 @@
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
+
+use std::sync::Arc;
+
+use super::*;
+use crate::backend::cpu::Precision;
+use crate::forward::Session;
+use crate::model::lsm::LsmFile;
+use crate::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
+use crate::sample::argmax;
+
+fn tiny(dir: &Path, seed: u64) -> (std::path::PathBuf, SynthReport) {
+    let path = dir.join(format!("tiny-{seed}.lsm"));
+    let mut opts = SynthOptions::new(SynthShape::TINY);
+    opts.seed = seed;
+    let mut calls = 0;
+    let report = synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |done, total| {
+        assert!(done <= total, "{done} > {total}");
+        calls += 1;
+    })
+    .unwrap();
+    assert!(
+        calls > SynthShape::TINY.n_layers,
+        "progress per tensor and layer"
+    );
+    (path, report)
+}
+
+#[test]
+fn the_tiny_shape_loads_checks_out_and_is_seed_determined() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, report) = tiny(dir.path(), 3);
+    let f = LsmFile::open(&path).unwrap();
+    f.verify_streamed(&path).unwrap();
+    assert_eq!(f.header.config, SynthShape::TINY.config());
+    assert_eq!(report.file_bytes, std::fs::metadata(&path).unwrap().len());
+    assert_eq!(report.tokenizer_vocab, 128);
+    let cal = f.calibration(&path).unwrap();
+    let freq = cal.frequencies().unwrap();
+    let mean = |f: &[f32]| f.iter().sum::<f32>() / f.len() as f32;
+    let (n, f) = (freq[0].len(), &freq[0]);
+    assert!((mean(f) - 0.6).abs() < 0.08, "mean activity {}", mean(f));
+    let (hot, cold) = (mean(&f[..n / 8]), mean(&f[n - n / 8..]));
+    assert!(hot > 0.9 && cold < 0.15, "hot first, skewed: {hot} {cold}");
+    cal.predictor(PredictorKind::LowRank).unwrap();
+    assert!(
+        report.sim_recall > 0.9 && report.sim_fetch_fraction < 0.95,
+        "{report:?}"
+    );
+
+    let again = tiny(dir.path(), 3).0;
+    let other = tiny(dir.path(), 4).0;
+    let bytes = |p: &Path| std::fs::read(p).unwrap();
+    assert!(bytes(&path) == bytes(&again), "same seed, same file");
+    assert!(bytes(&path) != bytes(&other), "another seed, another file");
+}
+
+#[test]
+fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = tiny(dir.path(), 1);
+    let sm = SparseModel::open(&path, true).unwrap();
+    let tok = &sm.model.tokenizer;
+    let ids = tok
+        .encode("the robot arm paused above the belt, waiting for the camera to report")
+        .unwrap();
+
+    // Realised sparsity of the thresholds over a dense pass.
+    let ppl = crate::calibrate::perplexity(
+        &sm.model.weights,
+        &ids,
+        64,
+        Some(&sm.thresholds),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(
+        (ppl.sparsity - 0.4).abs() < 0.1,
+        "sparsity {}",
+        ppl.sparsity
+    );
+
+    // The pipeline with the planted predictor: recall near the target, not every neuron
+    // computed, and greedy decoding walks through more than one token.
+    let mut exec = Executor::new(
+        &sm,
+        ExecutorOptions {
+            mode: Mode::LeanStream,
+            policy: None,
+            cache_bytes: sm.layout.streamed_bytes() / 2,
+            io_threads: 2,
+            io_gap_bytes: crate::io::DEFAULT_MAX_GAP_BYTES,
+            precision: Precision::Exact,
+            predictor: Some(PredictorKind::LowRank),
+        },
+    )
+    .unwrap();
+    exec.measure_recall(true);
+    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+    let mut next = 0;
+    for &t in &ids {
+        next = argmax(s.forward_with(t, &mut exec).unwrap());
+    }
+    let mut generated = vec![next];
+    for _ in 0..8 {
+        next = argmax(s.forward_with(next, &mut exec).unwrap());
+        generated.push(next);
+    }
+    let st = exec.stats();
+    let recall = st.recall();
+    let computed = st.computed_neurons as f64 / (st.tokens as f64 * 2.0 * 512.0);
+    eprintln!(
+        "tiny: sparsity {:.3} recall {recall:.3} computed {computed:.3}",
+        ppl.sparsity
+    );
+    assert!(recall > 0.85, "recall {recall}");
+    assert!(computed < 0.95, "computed share {computed}");
+    assert!(st.misses > 0 && st.bytes_read > 0, "{st:?}");
+    generated.sort_unstable();
+    generated.dedup();
+    assert!(generated.len() > 1, "greedy decoding is stuck on one token");
+}
+
+#[test]
+fn bad_options_are_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("x.lsm");
+    let mut opts = SynthOptions::new(SynthShape::TINY);
+    opts.sparsity = 1.0;
+    let err = synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("sparsity"), "{err}");
+    let mut opts = SynthOptions::new(SynthShape::LLAMA_7B);
+    opts.rank = 1;
+    assert!(synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).is_err());
+    // The tiny vocabulary is too small for the 7B shape.
+    let opts = SynthOptions::new(SynthShape::LLAMA_7B);
+    let err = synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("32000"), "{err}");
+    assert!(!path.exists() && !dir.path().join("x.lsm.partial").exists());
+}

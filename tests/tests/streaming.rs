@@ -1,0 +1,79 @@
+//! End to end with the sparse streaming engine: the real model converted to `.lsm`, served in
+//! `leanstream` mode as `[models.smollm2]` configures it, through the real daemon and bus.
+
+use leanstream_e2e::*;
+use leanstream_engine::model::lsm::LsmFile;
+use leanstream_engine::pipeline::ChunkLayout;
+
+fn runtime() -> tokio::runtime::Runtime {
+    #[allow(clippy::expect_used)]
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// `leanstream` mode with sparsity off and a quarter of the FFN as neuron cache, in a budget
+/// smaller than the model file.
+fn streaming(budget: &str, cache_share: f64) -> DaemonConfig {
+    DaemonConfig {
+        budget: budget.into(),
+        lsm: Some(real_lsm()),
+        extra: format!(
+            "[models.smollm2]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = {cache_share}\n"
+        ),
+        ..DaemonConfig::default()
+    }
+}
+
+#[test]
+fn a_leanstream_model_streams_its_ffn_and_generates_the_dense_tokens() -> anyhow::Result<()> {
+    let lsm = real_lsm();
+    let header = LsmFile::open(&lsm)?.header;
+    let layout = ChunkLayout::from_header(&lsm, &header)?;
+    let file_bytes = std::fs::metadata(&lsm)?.len();
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        // 96 MiB: less than the 131 MiB file that `dense` would keep whole.
+        let _daemon = Daemon::start(&bus, &streaming("96MiB", 0.25)).await?;
+        let client = Client::new(&bus).await?;
+        client.manager.load_model(MODEL).await?;
+        // The model holds its resident part (not the streamed FFN) plus the cache.
+        let report = client.manager.memory().await?;
+        let [m] = report.models.as_slice() else {
+            anyhow::bail!("one model expected: {report:?}");
+        };
+        assert_eq!(m.mode, "leanstream");
+        assert_eq!(m.resident_bytes, file_bytes - header.streamed.len);
+        let chunks = layout.total_chunks() / 4;
+        assert_eq!(m.cache_bytes, (chunks * layout.chunk_bytes) as u64);
+        assert_eq!(report.used_bytes, m.resident_bytes + m.cache_bytes);
+        assert!(report.used_bytes < file_bytes);
+        // With sparsity off the streamed FFN is the dense FFN: the fixture's greedy ids.
+        let out = generate_once(&client, STORY_PROMPT, 16).await?;
+        assert_eq!(out.ids, STORY_GREEDY);
+        Ok(())
+    })
+}
+
+#[test]
+fn a_neuron_cache_that_does_not_fit_the_budget_is_over_budget() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        // The whole FFN as cache (84 MiB) beside 45 MiB of resident weights: over 96 MiB.
+        let _daemon = Daemon::start(&bus, &streaming("96MiB", 1.0)).await?;
+        let client = Client::new(&bus).await?;
+        let err = client.manager.load_model(MODEL).await.map(|_| ());
+        assert_eq!(error_name(err), "OverBudget");
+        let err = client.manager.load_model(MODEL).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("cache") && msg.contains("budget"), "{msg}");
+        let report = client.manager.memory().await?;
+        assert_eq!((report.used_bytes, report.models.len()), (0, 0));
+        // The daemon goes on serving: the model is not loaded, the session is refused the same way.
+        let open = client.manager.open_session(MODEL, 64).await;
+        assert_eq!(error_name(open), "OverBudget");
+        Ok(())
+    })
+}
