@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
-use crate::model::{Down, FfnActivation, LayerWeights, RopeStyle, Weights};
+use crate::model::{Down, FfnActivation, LayerWeights, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -212,26 +212,11 @@ impl Session {
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
     /// not fit in the context.
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
-        let c = &self.model.weights.config;
-        if tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "tokens",
-                reason: "is empty".into(),
-            });
-        }
-        if tokens.len() > self.max_context - self.pos {
-            return Err(Error::InvalidArgument {
-                arg: "prompt",
-                reason: format!("the context is full ({} tokens)", self.max_context),
-            });
-        }
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::InvalidArgument {
-                arg: "token",
-                reason: format!("id {token} is outside the vocabulary ({})", c.vocab_size),
-            });
-        }
-        Ok(())
+        check_tokens(
+            &self.model.weights.config,
+            self.max_context - self.pos,
+            tokens,
+        )
     }
 
     /// Writes the embeddings of `batch` (at most [`MAX_BATCH`] tokens, at positions from
@@ -307,8 +292,8 @@ impl Session {
                 }
             }
             let table = &s.rope[t * half..(t + 1) * half];
-            rope(q, hd, table, c.rope_style);
-            rope(kk, hd, table, c.rope_style);
+            cpu::rope(q, hd, table, c.rope_style);
+            cpu::rope(kk, hd, table, c.rope_style);
 
             // KV cache write at this token's position.
             let at = (l * self.max_context + pos0 + t) * kv_dim;
@@ -322,14 +307,12 @@ impl Session {
         // Causal attention, one query head per task (all tokens of the batch in order, token `t`
         // seeing positions `0..=pos0 + t`); GQA maps `group` query heads to a KV head.
         let group = c.n_heads / c.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
         let q = &s.q;
         let max_context = self.max_context;
         let att = Disjoint::new(&mut s.att);
         let all_scores = Disjoint::new(&mut s.scores);
         cpu::for_each_chunk(c.n_heads, 1, |heads| {
             for h in heads {
-                let kv_off = (h / group) * hd;
                 for t in 0..n {
                     let pos = pos0 + t;
                     let o = t * q_dim + h * hd;
@@ -341,17 +324,8 @@ impl Session {
                             all_scores.range(h * max_context..h * max_context + pos + 1),
                         )
                     };
-                    let qh = &q[o..o + hd];
-                    for (p, sc) in scores.iter_mut().enumerate() {
-                        let kh = &keys[p * kv_dim + kv_off..][..hd];
-                        *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    }
-                    cpu::softmax_inplace(scores);
-                    out.fill(0.0);
-                    for (p, &sc) in scores.iter().enumerate() {
-                        let vh = &values[p * kv_dim + kv_off..][..hd];
-                        out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
-                    }
+                    let kv_off = (h / group) * hd;
+                    cpu::attend(&q[o..o + hd], keys, values, kv_dim, kv_off, scores, out);
                 }
             }
         });
@@ -437,19 +411,26 @@ impl Session {
     }
 }
 
-/// Rotates each head of `x` by the angles whose `(sin, cos)` are in `rope` (one per pair: the
-/// position times `base^(-2i/head_dim)`).
-fn rope(x: &mut [f32], head_dim: usize, rope: &[(f32, f32)], style: RopeStyle) {
-    let half = head_dim / 2;
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, &(sin, cos)) in rope.iter().enumerate() {
-            let (a, b) = match style {
-                RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
-                RopeStyle::HalfSplit => (i, i + half),
-            };
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * cos - x1 * sin;
-            head[b] = x0 * sin + x1 * cos;
-        }
+/// Errors if `tokens` is empty, holds an id outside the vocabulary or is longer than the `room`
+/// left in a context: what every forward pass checks before any work.
+pub fn check_tokens(c: &crate::model::ModelConfig, room: usize, tokens: &[u32]) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::InvalidArgument {
+            arg: "tokens",
+            reason: "is empty".into(),
+        });
     }
+    if tokens.len() > room {
+        return Err(Error::InvalidArgument {
+            arg: "prompt",
+            reason: format!("the context is full ({room} tokens free)"),
+        });
+    }
+    if let Some(&token) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        return Err(Error::InvalidArgument {
+            arg: "token",
+            reason: format!("id {token} is outside the vocabulary ({})", c.vocab_size),
+        });
+    }
+    Ok(())
 }

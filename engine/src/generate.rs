@@ -2,7 +2,55 @@
 
 use std::time::{Duration, Instant};
 
-use crate::forward::Session;
+use crate::forward::{FfnExecutor, Session};
+
+/// A forward pass that decodes one conversation: the CPU [`Session`], or with feature `cuda`
+/// the GPU's `backend::cuda::CudaSession`. [`generate`] and [`score`] run on either.
+pub trait Decode {
+    /// Runs `token` at the next position; returns the logits.
+    fn forward(&mut self, token: u32) -> Result<&mut [f32]>;
+    /// Runs `tokens` at the next positions; returns the logits of the last.
+    fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]>;
+    /// Tokens in the KV cache.
+    fn position(&self) -> usize;
+    /// Room of the KV cache, in tokens.
+    fn max_context(&self) -> usize;
+    /// Size of the vocabulary (the logits' length).
+    fn vocab_size(&self) -> usize;
+    /// Runs `token` with each layer's FFN computed by `exec` (the sparse pipelines).
+    fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]>;
+    /// Forgets the conversation.
+    fn reset(&mut self);
+    /// Bytes of GPU memory held (weights, KV cache, scratch); `None` on the CPU.
+    fn device_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl Decode for Session {
+    fn forward(&mut self, token: u32) -> Result<&mut [f32]> {
+        Session::forward(self, token)
+    }
+    fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        Session::forward_batch(self, tokens)
+    }
+    fn position(&self) -> usize {
+        Session::position(self)
+    }
+    fn max_context(&self) -> usize {
+        Session::max_context(self)
+    }
+    fn vocab_size(&self) -> usize {
+        self.model().weights.config.vocab_size
+    }
+    fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
+        Session::forward_with(self, token, exec)
+    }
+    fn reset(&mut self) {
+        Session::reset(self)
+    }
+}
+
 use crate::sample::{Sampler, SamplerConfig};
 use crate::{Error, Result};
 
@@ -64,7 +112,7 @@ pub struct Generation {
 /// The session continues from its current position (a chat keeps its KV cache between turns).
 /// Errors before any work if the prompt is empty or does not fit in the remaining context.
 pub fn generate(
-    session: &mut Session,
+    session: &mut dyn Decode,
     prompt: &[u32],
     max_tokens: usize,
     sampler: &SamplerConfig,
@@ -89,7 +137,7 @@ pub fn generate(
             ),
         });
     }
-    let vocab = session.model().weights.config.vocab_size;
+    let vocab = session.vocab_size();
     let mut sampler = Sampler::new(sampler.clone(), vocab)?;
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
@@ -131,7 +179,7 @@ pub fn generate(
 
 /// Teacher-forced negative log-likelihood of `tokens` (natural log, summed) and the number of
 /// predicted tokens, continuing from the session's position.
-pub fn score(session: &mut Session, tokens: &[u32]) -> Result<(f64, usize)> {
+pub fn score(session: &mut dyn Decode, tokens: &[u32]) -> Result<(f64, usize)> {
     let mut nll = 0.0f64;
     let mut n = 0;
     for pair in tokens.windows(2) {

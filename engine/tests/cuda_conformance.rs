@@ -1,12 +1,22 @@
-//! The CUDA kernels against the CPU kernels, by normalised error (feature `cuda`). They need a
-//! GPU and its driver; without one every test says it is skipped and why, and passes.
+//! The CUDA backend (feature `cuda`): every kernel through the conformance bodies the CPU
+//! backend also runs (`backend/conformance.rs`), then the end-to-end oracles on the real model:
+//! greedy ids of the GPU forward pass, dense and streaming, equal the CPU's.
+//!
+//! They need a GPU and its driver; without one every test prints that it is skipped and why,
+//! and passes. Run them with `cargo test -p leanstream-engine --features cuda --test
+//! cuda_conformance` (`cuda-kernels/gpu-check` does, on a GPU machine).
 
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
-use leanstream_engine::backend::cpu::{self, Kernels};
-use leanstream_engine::backend::cuda::CudaBackend;
-use leanstream_engine::quant::{DType, quantize_row};
+mod common;
+
+use std::sync::Arc;
+
+use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::backend::cuda::{CudaBackend, CudaModel, CudaSession};
+use leanstream_engine::forward::Session;
+use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;
 
 /// The backend, or `None` after printing why the test is skipped.
@@ -20,79 +30,74 @@ fn gpu(test: &str) -> Option<CudaBackend> {
     }
 }
 
-/// Deterministic values in [-1, 1).
-fn values(n: usize, seed: u32) -> Vec<f32> {
-    (0..n as u32)
-        .map(|i| {
-            let h = (i ^ seed).wrapping_mul(2654435761).rotate_left(13);
-            (h % 2000) as f32 / 1000.0 - 1.0
-        })
-        .collect()
+mod kernels {
+    leanstream_engine::conformance_tests!(super::gpu);
 }
 
-/// ‖a − b‖ / ‖b‖.
-fn normalised_error(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let diff: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let norm: f32 = b.iter().map(|y| y * y).sum();
-    (diff / norm.max(f32::MIN_POSITIVE)).sqrt()
-}
+const PROMPT: &[u32] = common::FIXTURE[0].prompt_ids;
+const STEPS: usize = 16;
 
-#[test]
-fn rmsnorm_matches_the_cpu() {
-    let Some(g) = gpu("rmsnorm") else { return };
-    let (x, w) = (values(3 * 576, 1), values(576, 2));
-    let got = g.rmsnorm(&x, &w, 1e-5).unwrap();
-    let mut want = vec![0.0; x.len()];
-    for (o, r) in want.chunks_mut(576).zip(x.chunks(576)) {
-        cpu::rmsnorm(o, r, &w, 1e-5);
+/// Greedy ids after the fixture prompt with `step` running one token and returning its logits.
+fn greedy(mut step: impl FnMut(u32) -> Vec<f32>) -> Vec<u32> {
+    let mut logits = Vec::new();
+    for &t in PROMPT {
+        logits = step(t);
     }
-    let e = normalised_error(&got, &want);
-    assert!(e < 1e-5, "{e}");
-}
-
-#[test]
-fn elementwise_kernels_match_the_cpu() {
-    let Some(g) = gpu("elementwise") else { return };
-    let (a, b) = (values(1000, 3), values(1000, 4));
-    let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-    assert!(normalised_error(&g.add(&a, &b).unwrap(), &sum) < 1e-6);
-    let silu: Vec<f32> = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| x / (1.0 + (-x).exp()) * y)
-        .collect();
-    assert!(normalised_error(&g.silu_mul(&a, &b).unwrap(), &silu) < 1e-5);
-}
-
-#[test]
-fn matvec_matches_the_cpu_in_every_type() {
-    let Some(g) = gpu("matvec") else { return };
-    let (rows, cols) = (40, 576);
-    let x = values(cols, 5);
-    let k = Kernels::best();
-    for dtype in DType::ALL {
-        let mut w = Vec::new();
-        for r in 0..rows {
-            quantize_row(dtype, &values(cols, 100 + r as u32), &mut w);
-        }
-        let row_bytes = dtype.row_bytes(cols).unwrap();
-        let want: Vec<f32> = w
-            .chunks(row_bytes)
-            .map(|row| k.dot(dtype, row, &x))
-            .collect();
-        let got = g.matvec(&w, dtype, rows, cols, &x).unwrap();
-        let e = normalised_error(&got, &want);
-        assert!(e < 1e-4, "{dtype:?}: {e}");
+    let mut ids = vec![argmax(&logits)];
+    while ids.len() < STEPS {
+        ids.push(argmax(&step(*ids.last().unwrap())));
     }
+    ids
+}
+
+fn cpu_ids(sm: &SparseModel) -> Vec<u32> {
+    let mut s = Session::new(Arc::clone(&sm.model), 128, Precision::Exact).unwrap();
+    greedy(|t| s.forward(t).unwrap().to_vec())
 }
 
 #[test]
-fn argmax_matches_the_sampler_including_ties() {
-    let Some(g) = gpu("argmax") else { return };
-    let mut logits = values(49152, 6);
-    logits[31000] = 5.0;
-    logits[40000] = 5.0; // a tie: the lower index wins, as in the sampler
-    assert_eq!(g.argmax(&logits).unwrap(), argmax(&logits));
-    assert_eq!(argmax(&logits), 31000);
+fn dense_greedy_ids_on_the_real_model_equal_the_cpu() {
+    let Some(g) = gpu("dense oracle") else { return };
+    let sm = SparseModel::open(&common::real_lsm(), false).unwrap();
+    let want = cpu_ids(&sm);
+    let model = Arc::new(CudaModel::new(Arc::new(g), Arc::clone(&sm.model), true).unwrap());
+    let mut s = CudaSession::new(Arc::clone(&model), 128).unwrap();
+    let got = greedy(|t| s.forward(t).unwrap().to_vec());
+    assert_eq!(got, want, "GPU vs CPU greedy ids");
+
+    // The device-side argmax picks the same token as the host's over the same logits.
+    let mut s = CudaSession::new(model, 128).unwrap();
+    s.forward_batch(&PROMPT[..PROMPT.len() - 1]).unwrap();
+    assert_eq!(s.forward_greedy(PROMPT[PROMPT.len() - 1]).unwrap(), want[0]);
+}
+
+#[test]
+fn streaming_modes_on_the_gpu_equal_the_cpu_with_sparsity_off() {
+    let Some(g) = gpu("streaming oracle") else {
+        return;
+    };
+    let g = Arc::new(g);
+    let sm = Arc::new(SparseModel::open(&common::real_lsm(), false).unwrap());
+    let want = cpu_ids(&sm);
+    let model = Arc::new(CudaModel::new(Arc::clone(&g), Arc::clone(&sm.model), false).unwrap());
+    // A quarter of the FFN: chunks are evicted and read (and copied to the device) again.
+    let budget = sm.layout.streamed_bytes() / 4;
+    for mode in [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream] {
+        let opts = ExecutorOptions {
+            mode,
+            policy: None,
+            cache_bytes: budget,
+            io_threads: 2,
+            io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
+            precision: Precision::Exact,
+            predictor: None,
+        };
+        let mut exec = Executor::new(&sm, opts).unwrap();
+        exec.use_cuda(Arc::clone(&g)).unwrap();
+        let mut s = CudaSession::new(Arc::clone(&model), 128).unwrap();
+        let got = greedy(|t| s.forward_with(t, &mut exec).unwrap().to_vec());
+        assert_eq!(got, want, "{mode} on the GPU vs dense on the CPU");
+        let stats = exec.stats();
+        assert!(stats.misses > 0, "{mode}: {stats:?}");
+    }
 }

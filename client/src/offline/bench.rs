@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use leanstream_engine::backend::select::BackendChoice;
 use leanstream_engine::bench::{self, BenchConfig, report};
 use leanstream_engine::pipeline::Mode;
 use leanstream_engine::predict::PredictorKind;
@@ -65,6 +66,10 @@ pub struct BenchArgs {
     /// measured once, up to 2 GiB or 4 s, when a cache-backed mode runs).
     #[arg(long)]
     pub no_disk_probe: bool,
+    /// Where the forward pass runs: auto (CUDA when built with it and a GPU is present), cpu
+    /// or cuda.
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
     /// Write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -137,6 +142,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         io_gap_bytes: args.io_gap,
         ablation_budget: args.ablation,
         disk_probe: !args.no_disk_probe,
+        backend: super::resolve_backend(args.backend)?,
     };
     let runs = cfg.modes.iter().filter(|m| !m.uses_cache()).count()
         + cfg.modes.iter().filter(|m| m.uses_cache()).count() * cfg.budgets.len()

@@ -9,6 +9,7 @@ pub mod synth;
 
 use clap::ValueEnum;
 use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::backend::select::{self, Backend, BackendChoice};
 
 /// Activation precision of the quantised dot products (see the README's "Precision" section).
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
@@ -39,4 +40,11 @@ pub fn init_threads(threads: usize) -> anyhow::Result<()> {
 
 fn rayon_pool(threads: usize) -> anyhow::Result<()> {
     leanstream_engine::set_compute_threads(threads).map_err(anyhow::Error::msg)
+}
+
+/// Resolves `--backend` (`auto` probes for a GPU) and says on stderr which backend runs and why.
+pub fn resolve_backend(choice: BackendChoice) -> anyhow::Result<Backend> {
+    let (backend, why) = choice.resolve_with(select::cuda_available)?;
+    eprintln!("compute backend: {} ({why})", backend.name());
+    Ok(backend)
 }

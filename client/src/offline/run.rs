@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
-use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::forward::Model;
 use leanstream_engine::generate::generate;
 use leanstream_engine::sample::SamplerConfig;
 use serde_json::json;
@@ -49,6 +50,10 @@ pub struct RunArgs {
     /// Compute threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Where the forward pass runs: auto (CUDA when built with it and a GPU is present), cpu
+    /// or cuda.
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -84,7 +89,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let context = args
         .context
         .unwrap_or(model.weights.config.context_length.min(4096));
-    let mut session = Session::new(model.clone(), context, args.precision.into())?;
+    let backend = super::resolve_backend(args.backend)?;
+    let mut session = open_decoder(backend, &model, context, args.precision.into(), None)?;
     let sampler = SamplerConfig {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -98,7 +104,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
     let generation = generate(
-        &mut session,
+        session.as_mut(),
         &prompt_ids,
         args.max_tokens,
         &sampler,
@@ -138,6 +144,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "prompt_tokens": stats.prompt_tokens,
                 "generated_tokens": stats.generated_tokens,
                 "precision": format!("{:?}", args.precision).to_lowercase(),
+                "backend": backend.name(),
                 "kernel": leanstream_engine::backend::cpu::kernel_name(),
             }
         });

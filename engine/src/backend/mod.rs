@@ -1,5 +1,10 @@
-//! Compute backends. The CPU backend always compiles.
+//! Compute backends. The CPU backend always compiles; the CUDA backend with feature `cuda`.
+//! [`ops::KernelOps`] is the per-kernel seam both implement, and [`conformance`] holds the test
+//! bodies every backend runs against the same plain f32 computations.
 
+pub mod conformance;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod ops;
+pub mod select;

@@ -49,12 +49,20 @@ pub struct BenchConfig {
     /// ([`disk::probe`] at queue depth `io_threads`), for `disk_busy_share` and
     /// `storage_bound_tok_s`. Skipped when no cache-backed mode runs.
     pub disk_probe: bool,
+    /// Where the forward pass runs (resolved from `--backend`).
+    pub backend: crate::backend::select::Backend,
 }
 
 /// One mode at one budget. Ratios are in 0..=1; `None` where a figure does not apply.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct BenchRow {
     pub mode: String,
+    /// `cpu` or `cuda`.
+    #[serde(default)]
+    pub backend: String,
+    /// Bytes of GPU memory the run held (weights, KV cache, cache twin); `None` on the CPU.
+    #[serde(default)]
+    pub device_bytes: Option<u64>,
     /// Cache size as a fraction of the streamed FFN bytes (`None` for dense and mmap).
     pub ffn_budget: Option<f64>,
     pub decode_tokens_per_s: f64,

@@ -6,7 +6,9 @@ use std::time::Instant;
 use super::disk::{self, DiskBandwidth, ProbeOptions};
 use super::process;
 use super::{BenchConfig, BenchRow};
-use crate::forward::{FfnExecutor, Model, Session};
+use crate::backend::select::{Backend, open_decoder};
+use crate::forward::{FfnExecutor, Model};
+use crate::generate::Decode;
 use crate::model::lsm::LsmFile;
 use crate::pipeline::{Executor, ExecutorOptions, Mode, PipelineStats, Policy, SparseModel};
 use crate::sample::argmax;
@@ -19,17 +21,29 @@ struct RunOutput {
     generated: Vec<Vec<u32>>,
 }
 
-/// One pipeline to drive: the dense forward pass, or a session plus a sparse FFN.
+/// One pipeline to drive: the dense forward pass (CPU or GPU), or a session plus a sparse FFN.
 struct Runner {
-    session: Session,
+    decoder: Box<dyn Decode>,
     exec: Option<Executor>,
 }
 
 impl Runner {
+    /// The runner of `backend` for `model`, with room for `ctx` tokens.
+    fn new(
+        backend: Backend,
+        model: &Arc<Model>,
+        ctx: usize,
+        precision: crate::backend::cpu::Precision,
+        mut exec: Option<Executor>,
+    ) -> Result<Runner> {
+        let decoder = open_decoder(backend, model, ctx, precision, exec.as_mut())?;
+        Ok(Runner { decoder, exec })
+    }
+
     fn step(&mut self, token: u32) -> Result<&mut [f32]> {
         match &mut self.exec {
-            Some(e) => self.session.forward_with(token, e as &mut dyn FfnExecutor),
-            None => self.session.forward(token),
+            Some(e) => self.decoder.forward_with(token, e as &mut dyn FfnExecutor),
+            None => self.decoder.forward(token),
         }
     }
 
@@ -38,11 +52,11 @@ impl Runner {
             Some(e) => {
                 let (last, rest) = tokens.split_last().expect("prompts are never empty");
                 for &t in rest {
-                    self.session.forward_with(t, e)?;
+                    self.decoder.forward_with(t, e)?;
                 }
-                self.session.forward_with(*last, e)?
+                self.decoder.forward_with(*last, e)?
             }
-            None => self.session.forward_batch(tokens)?,
+            None => self.decoder.forward_batch(tokens)?,
         };
         Ok(argmax(logits))
     }
@@ -59,6 +73,12 @@ pub fn run(cfg: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Vec<Benc
         return Err(Error::InvalidArgument {
             arg: "prompts",
             reason: "need at least one prompt and one token to decode".into(),
+        });
+    }
+    if cfg.backend == Backend::Cuda && cfg.modes.contains(&Mode::Mmap) {
+        return Err(Error::InvalidArgument {
+            arg: "modes",
+            reason: "mmap has no CUDA path; leave it out of --modes or use --backend cpu".into(),
         });
     }
     /// A mode, its budget, and the ablation step it runs (if any).
@@ -162,10 +182,7 @@ fn run_one(
         .collect::<Result<_>>()?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let ctx = (longest + cfg.tokens + 1).max(cfg.heldout_tokens + 1);
-    let mut runner = Runner {
-        session: Session::new(Arc::clone(&model), ctx, cfg.precision)?,
-        exec,
-    };
+    let mut runner = Runner::new(cfg.backend, &model, ctx, cfg.precision, exec)?;
 
     let (mut decode_s, mut prefill_s, mut prefill_tokens) = (0.0, 0.0, 0usize);
     let (mut decoded, mut read_bytes) = (0u64, 0u64);
@@ -175,7 +192,7 @@ fn run_one(
         if p.is_empty() {
             continue;
         }
-        runner.session.reset();
+        runner.decoder.reset();
         let t = Instant::now();
         let mut next = runner.prefill(p)?;
         prefill_s += t.elapsed().as_secs_f64();
@@ -202,7 +219,7 @@ fn run_one(
     }
     let held = tok.encode(&cfg.heldout)?;
     let held = &held[..held.len().min(cfg.heldout_tokens + 1)];
-    runner.session.reset();
+    runner.decoder.reset();
     let mut nll = 0.0f64;
     for pair in held.windows(2) {
         nll += crate::generate::token_nll(runner.step(pair[0])?, pair[1]);
@@ -216,6 +233,8 @@ fn run_one(
     let agreement = dense.map_or(1.0, |d| agreement(&d.generated, &generated));
     let row = BenchRow {
         mode: mode.name().to_string(),
+        backend: cfg.backend.name().to_string(),
+        device_bytes: runner.decoder.device_bytes(),
         ffn_budget: budget,
         decode_tokens_per_s: decoded as f64 / decode_s.max(1e-9),
         prefill_tokens_per_s: prefill_tokens as f64 / prefill_s.max(1e-9),

@@ -125,6 +125,12 @@ impl NeuronCache {
         })
     }
 
+    /// The arena's first byte and its length in bytes. Slots are carved from it as the type's
+    /// docs say; a caller may register the range with a device but must not write through it.
+    pub fn arena(&self) -> (NonNull<u8>, usize) {
+        (self.base, self.slots.len() * self.slot_bytes)
+    }
+
     /// Number of slots.
     pub fn capacity_slots(&self) -> usize {
         self.slots.len()

@@ -77,6 +77,18 @@ impl Executor {
         }
     }
 
+    /// Computes the FFN chunks on `gpu` (cache-backed modes; `mmap` runs on the CPU only).
+    #[cfg(feature = "cuda")]
+    pub fn use_cuda(&mut self, gpu: Arc<crate::backend::cuda::CudaBackend>) -> Result<()> {
+        match self {
+            Executor::Mmap(_) => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "mmap mode has no CUDA path; use on-demand, prefetch or leanstream".into(),
+            }),
+            Executor::Streaming(e) => e.use_cuda(gpu),
+        }
+    }
+
     /// Counters since the last reset.
     pub fn stats(&self) -> PipelineStats {
         match self {

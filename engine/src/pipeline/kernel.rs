@@ -105,3 +105,54 @@ impl ChunkMath<'_> {
         active.into_inner()
     }
 }
+
+/// Where a stage of chunk computations runs: the CPU compute pool ([`CpuChunks`]) or, with
+/// feature `cuda`, the GPU (`backend::cuda::CudaChunks`). The streaming pipeline hands each
+/// stage's arrived chunks to one of these.
+pub trait ChunkCompute: Send + std::fmt::Debug {
+    /// As [`ChunkMath::chunks`]: computes the listed chunks of layer `l` (no chunk twice),
+    /// whose stored bytes `bytes_of(c)` gives (a Ready cache slot), adding their sum to `out`
+    /// and writing their neurons' activations into `h` (`n_ff` values). Returns the number of
+    /// active neurons.
+    #[allow(clippy::too_many_arguments)]
+    fn compute<'b>(
+        &mut self,
+        math: &ChunkMath<'_>,
+        l: usize,
+        chunks: &[usize],
+        bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
+        x: &[f32],
+        h: &mut [f32],
+        out: &mut [f32],
+    ) -> crate::Result<usize>;
+}
+
+/// Chunk computations on the CPU compute pool, with one partial sum per task.
+#[derive(Debug)]
+pub struct CpuChunks {
+    partials: Vec<f32>, // (n_parts, d_model)
+}
+
+impl CpuChunks {
+    /// Scratch for `d_model`-wide outputs, one partial sum per compute thread.
+    pub fn new(d_model: usize) -> CpuChunks {
+        CpuChunks {
+            partials: vec![0.0; rayon::current_num_threads().max(1) * d_model],
+        }
+    }
+}
+
+impl ChunkCompute for CpuChunks {
+    fn compute<'b>(
+        &mut self,
+        math: &ChunkMath<'_>,
+        _l: usize,
+        chunks: &[usize],
+        bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
+        x: &[f32],
+        h: &mut [f32],
+        out: &mut [f32],
+    ) -> crate::Result<usize> {
+        Ok(math.chunks(chunks, bytes_of, x, h, &mut self.partials, out))
+    }
+}

@@ -64,6 +64,39 @@ impl ChunkLayout {
         })
     }
 
+    /// The geometry of one layer of `n_ff` neurons stored as the `.lsm` writer would, at offset 0:
+    /// bundles of gate row | up row | down column, `chunk_neurons` to a chunk, chunks padded to
+    /// 4 KiB. For kernels and tests that work on chunk bytes in memory. `None` if a row type does
+    /// not fit `d_model` or a size is zero.
+    pub fn one_layer(
+        n_ff: usize,
+        d_model: usize,
+        chunk_neurons: usize,
+        [gate_dtype, up_dtype, down_dtype]: [DType; 3],
+    ) -> Option<ChunkLayout> {
+        if n_ff == 0 || chunk_neurons == 0 {
+            return None;
+        }
+        let up_at = gate_dtype.row_bytes(d_model)?;
+        let down_at = up_at + up_dtype.row_bytes(d_model)?;
+        let bundle_bytes = down_at + down_dtype.row_bytes(d_model)?;
+        Some(ChunkLayout {
+            n_layers: 1,
+            n_ff,
+            d_model,
+            chunk_neurons,
+            chunks_per_layer: n_ff.div_ceil(chunk_neurons),
+            chunk_bytes: (chunk_neurons * bundle_bytes).next_multiple_of(4096),
+            bundle_bytes,
+            up_at,
+            down_at,
+            gate_dtype,
+            up_dtype,
+            down_dtype,
+            layer_offsets: vec![0],
+        })
+    }
+
     /// Chunks in the whole model.
     pub fn total_chunks(&self) -> usize {
         self.n_layers * self.chunks_per_layer

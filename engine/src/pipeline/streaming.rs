@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Mode;
-use super::kernel::ChunkMath;
+use super::kernel::{ChunkCompute, ChunkMath, CpuChunks};
 use super::layout::ChunkId;
 use super::select::Selector;
 use super::sparse_model::SparseModel;
@@ -141,6 +141,9 @@ pub struct StreamingFfn {
     sm: Arc<SparseModel>,
     policy: Policy,
     selector: Selector,
+    /// Declared before the cache: a GPU compute holds the cache's arena registered with the
+    /// driver and must unregister it before the arena is freed.
+    compute: Box<dyn ChunkCompute>,
     cache: NeuronCache,
     io: Box<dyn IoEngine>,
     precision: Precision,
@@ -153,7 +156,6 @@ pub struct StreamingFfn {
     xn: Vec<f32>,          // (d_model) speculative input of a later layer
     margins: Vec<f32>,     // (chunks_per_layer)
     h: Vec<f32>,           // (n_ff)
-    partials: Vec<f32>,    // (n_parts, d_model)
     acts: QuantizedActs,   // (d_model) for Fast
     needed: Vec<usize>,    // chunks of this layer still to compute
     ready: Vec<usize>,     // chunks of this layer ready to compute in this stage
@@ -205,7 +207,7 @@ impl StreamingFfn {
             xn: vec![0.0; l.d_model],
             margins: vec![0.0; l.chunks_per_layer],
             h: vec![0.0; l.n_ff],
-            partials: vec![0.0; rayon::current_num_threads().max(1) * l.d_model],
+            compute: Box::new(CpuChunks::new(l.d_model)),
             acts: QuantizedActs::new(l.d_model),
             needed: Vec::with_capacity(l.chunks_per_layer),
             ready: Vec::with_capacity(l.chunks_per_layer),
@@ -233,6 +235,24 @@ impl StreamingFfn {
         self.stats = PipelineStats::default();
         self.cache.reset_stats();
         self.io.reset_stats();
+    }
+
+    /// Runs the chunk computations with `compute` from now on (the CPU pool by default).
+    pub fn set_compute(&mut self, compute: Box<dyn ChunkCompute>) {
+        self.compute = compute;
+    }
+
+    /// Runs the chunk computations on `gpu` from now on, reading the neuron cache in place
+    /// (Jetson) or through a device twin (discrete GPUs); see `backend::cuda::CudaChunks`.
+    #[cfg(feature = "cuda")]
+    pub fn use_cuda(&mut self, gpu: Arc<crate::backend::cuda::CudaBackend>) -> Result<()> {
+        let (base, len) = self.cache.arena();
+        // SAFETY: the arena is this pipeline's cache's, which is dropped after `compute` (field
+        // order), and holds only cache slots.
+        let compute =
+            unsafe { crate::backend::cuda::CudaChunks::new(gpu, base, len, &self.sm.layout)? };
+        self.compute = Box::new(compute);
+        Ok(())
     }
 
     /// Bytes of the neuron cache's arena.
@@ -354,10 +374,11 @@ impl StreamingFfn {
     }
 
     /// Computes the chunks in `self.ready` (all Ready and pinned) into `out`, then unpins them and
-    /// updates their retention from what the activations showed.
-    fn compute_ready(&mut self, l: usize, xn: &[f32], out: &mut [f32]) {
+    /// updates their retention from what the activations showed. On an error (a GPU failure)
+    /// the chunks are unpinned and the error returned.
+    fn compute_ready(&mut self, l: usize, xn: &[f32], out: &mut [f32]) -> Result<()> {
         if self.ready.is_empty() {
-            return;
+            return Ok(());
         }
         let sm = &*self.sm;
         let layout = &sm.layout;
@@ -374,14 +395,19 @@ impl StreamingFfn {
             Lookup::Ready(slot) => cache.data(slot),
             _ => unreachable!("chunk {c} of layer {l} is computed only when Ready and pinned"),
         };
-        let active = math.chunks(
-            &self.ready,
-            &bytes_of,
-            xn,
-            &mut self.h,
-            &mut self.partials,
-            out,
-        );
+        let computed = self
+            .compute
+            .compute(&math, l, &self.ready, &bytes_of, xn, &mut self.h, out);
+        let active = match computed {
+            Ok(n) => n,
+            Err(e) => {
+                for &c in &self.ready {
+                    self.cache.unpin(layout.id(l, c));
+                }
+                self.ready.clear();
+                return Err(e);
+            }
+        };
         self.stats.active_neurons += active as u64;
         let refined = self.policy.retention == Retention::Refined;
         for &c in &self.ready {
@@ -405,6 +431,7 @@ impl StreamingFfn {
             }
         }
         self.ready.clear();
+        Ok(())
     }
 
     /// Moves the needed chunks that are Ready into `self.ready`, pinning them.
@@ -521,7 +548,7 @@ impl FfnExecutor for StreamingFfn {
                 }
             }
             if self.policy.stream_compute || self.needed.is_empty() || starved {
-                self.compute_ready(l, xn, out);
+                self.compute_ready(l, xn, out)?;
             }
             if self.needed.is_empty() && self.ready.is_empty() {
                 break;

@@ -1,6 +1,8 @@
 //! Small dense f32 helpers of the forward pass. Plain Rust written so the compiler vectorises the
 //! sums and products (eight independent lanes); the exponentials use the standard library.
 
+use crate::model::RopeStyle;
+
 /// Sum of squares in eight lanes.
 fn sum_squares(x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -65,5 +67,56 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
     assert_eq!(a.len(), b.len(), "add_inplace lengths");
     for (x, y) in a.iter_mut().zip(b) {
         *x += y;
+    }
+}
+
+/// Rotates each head of `x` (`head_dim` values each) by the angles whose `(sin, cos)` are in
+/// `table` (pair `i`: the position times `base^(-2i/head_dim)`), pairing values as `style` says.
+///
+/// Panics unless `table` holds `head_dim / 2` pairs and `x` whole heads.
+pub fn rope(x: &mut [f32], head_dim: usize, table: &[(f32, f32)], style: RopeStyle) {
+    let half = head_dim / 2;
+    assert_eq!(table.len(), half, "rope table of {head_dim}-value heads");
+    assert!(x.len().is_multiple_of(head_dim), "rope over whole heads");
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, &(sin, cos)) in table.iter().enumerate() {
+            let (a, b) = match style {
+                RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
+                RopeStyle::HalfSplit => (i, i + half),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos - x1 * sin;
+            head[b] = x0 * sin + x1 * cos;
+        }
+    }
+}
+
+/// One query head's decode attention over `scores.len()` cached positions: `scores[p]` becomes
+/// the softmax of `q·k_p / sqrt(head_dim)` and `out` the scores' weighted sum of values. Key and
+/// value `p` of this head are `keys[p * kv_stride + kv_off..][..q.len()]` (and the same in
+/// `values`).
+///
+/// Panics if the caches hold fewer positions than `scores`, or `out` and `q` differ in length.
+pub fn attend(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    kv_stride: usize,
+    kv_off: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    assert_eq!(out.len(), hd, "attention output of one head");
+    let scale = 1.0 / (hd as f32).sqrt();
+    for (p, sc) in scores.iter_mut().enumerate() {
+        let kh = &keys[p * kv_stride + kv_off..][..hd];
+        *sc = q.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+    }
+    softmax_inplace(scores);
+    out.fill(0.0);
+    for (p, &sc) in scores.iter().enumerate() {
+        let vh = &values[p * kv_stride + kv_off..][..hd];
+        out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
     }
 }

@@ -32,7 +32,7 @@ use std::sync::OnceLock;
 use crate::model::QRows;
 use crate::quant::{DType, QK};
 
-pub use dense::{add_inplace, rmsnorm, silu_mul, softmax_inplace};
+pub use dense::{add_inplace, attend, rmsnorm, rope, silu_mul, softmax_inplace};
 pub use matvec::{Disjoint, for_each_chunk};
 
 /// Activation precision of quantised dot products.

@@ -548,3 +548,84 @@ fn dense_helpers_match_f64() {
     softmax_inplace(&mut big);
     assert_eq!(big, [1.0, 0.0, 0.0]);
 }
+
+/// The shared conformance bodies (`backend/conformance.rs`) on the CPU backend.
+mod conformance {
+    use crate::backend::ops::CpuOps;
+
+    crate::conformance_tests!(|_: &str| Some(CpuOps));
+}
+
+/// A backend whose mat-vec is off by one part in a thousand: the conformance bodies must catch
+/// it (they are not checks that cannot fail).
+mod conformance_catches_errors {
+    use crate::Result;
+    use crate::backend::conformance;
+    use crate::backend::ops::{AttentionShape, CpuOps, FfnChunks, FfnOutput, KernelOps, Matrix};
+    use crate::model::RopeStyle;
+
+    struct Skewed;
+
+    impl KernelOps for Skewed {
+        fn name(&self) -> String {
+            "skewed".into()
+        }
+        fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
+            CpuOps.rmsnorm(x, w, eps)
+        }
+        fn silu_mul(&self, g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
+            CpuOps.silu_mul(g, u)
+        }
+        fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
+            CpuOps.add(a, b)
+        }
+        fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
+            let y = CpuOps.matvec(w, x, bias)?;
+            Ok(y.iter().map(|v| v * 1.001).collect())
+        }
+        fn rope(&self, x: &[f32], hd: usize, pos: usize, b: f32, s: RopeStyle) -> Result<Vec<f32>> {
+            // Off by one position: a real bug a kernel could have.
+            CpuOps.rope(x, hd, pos + 1, b, s)
+        }
+        fn attention_decode(
+            &self,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            s: AttentionShape,
+        ) -> Result<Vec<f32>> {
+            CpuOps.attention_decode(q, k, v, s)
+        }
+        fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput> {
+            // Forgets the threshold.
+            CpuOps.ffn_chunks(&FfnChunks {
+                threshold: 0.0,
+                ..*f
+            })
+        }
+        fn argmax(&self, logits: &[f32]) -> Result<u32> {
+            CpuOps.argmax(logits)
+        }
+        fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>> {
+            CpuOps.top_k(logits, k)
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "matvec")]
+    fn a_skewed_matvec_fails() {
+        conformance::matvec(&Skewed);
+    }
+
+    #[test]
+    #[should_panic(expected = "rope")]
+    fn a_rope_at_the_wrong_position_fails() {
+        conformance::rope(&Skewed);
+    }
+
+    #[test]
+    #[should_panic(expected = "threshold")]
+    fn an_ffn_that_ignores_the_threshold_fails() {
+        conformance::ffn_chunks(&Skewed);
+    }
+}

@@ -1,0 +1,215 @@
+//! The streaming pipeline's chunk computations on the GPU ([`ChunkCompute`]).
+//!
+//! The neuron cache's arena is registered with the driver once ([`HostRegistration`]), so the
+//! I/O workers' O_DIRECT reads land in page-locked memory the GPU can address. Then, per stage of
+//! arrived chunks:
+//! - on Jetson/Orin (integrated: one memory) the kernels read the cache slots in place through
+//!   their mapped device addresses: zero copies;
+//! - on a discrete GPU each slot has a twin in a device arena of the same size; a chunk is
+//!   copied to its twin asynchronously, on the compute stream, the first time it is computed
+//!   after it arrived (a slot refilled with another chunk is copied again), so a chunk that
+//!   stays cached crosses the bus once.
+//!
+//! The host learns per chunk that data has arrived (the I/O completion of that chunk) and hands
+//! the arrived set of each stage to the kernels, so reads of later chunks overlap the GPU's work
+//! on earlier ones exactly as on the CPU. Each stage ends with one synchronisation, after which
+//! the stage's activations and output are back on the host for the refinement policy.
+//!
+//! The GPU's dot products are always exact f32 (`Precision::Fast` applies to the CPU kernels).
+
+use std::sync::Arc;
+
+use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
+
+use super::kernels::GatheredChunks;
+use super::memory::{HostRegistration, copy_to_device_async, download, zeros};
+use super::{CudaBackend, cuda};
+use crate::pipeline::ChunkLayout;
+use crate::pipeline::kernel::{ChunkCompute, ChunkMath};
+use crate::{Error, Result};
+
+/// The device twin of the cache arena (discrete GPUs) and which chunk each twin slot holds.
+struct Mirror {
+    arena: DeviceBuffer<u8>,
+    holds: Vec<Option<(usize, usize)>>, // per slot: (layer, chunk) copied there
+}
+
+/// [`ChunkCompute`] on a CUDA device.
+pub struct CudaChunks {
+    gpu: Arc<CudaBackend>,
+    arena: HostRegistration,
+    mirror: Option<Mirror>,
+    slot_bytes: usize,
+    x: DeviceBuffer<f32>,      // (d_model)
+    h: DeviceBuffer<f32>,      // (n_ff)
+    acc: DeviceBuffer<f32>,    // (d_model)
+    active: DeviceBuffer<u32>, // (1)
+    ptrs: DeviceBuffer<u64>,   // (chunks_per_layer)
+    index: DeviceBuffer<u32>,  // (chunks_per_layer)
+    host_ptrs: Vec<u64>,
+    host_index: Vec<u32>,
+    host_h: Vec<f32>,
+    /// Bytes copied host → device into the mirror (0 on integrated GPUs).
+    pub copied_bytes: u64,
+}
+
+impl std::fmt::Debug for CudaChunks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaChunks")
+            .field("device", &self.gpu.device())
+            .field("zero_copy", &self.mirror.is_none())
+            .field("arena_bytes", &self.arena.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaChunks {
+    /// Registers the cache arena (`arena`, `len` bytes of slots of `layout.chunk_bytes`) with
+    /// the device and allocates the stage buffers (and, on a discrete GPU, the arena's twin).
+    ///
+    /// # Safety
+    /// The arena must outlive the returned value and only ever hold cache slots (the neuron
+    /// cache of the pipeline that will own this compute: `StreamingFfn::use_cuda` upholds it).
+    pub unsafe fn new(
+        gpu: Arc<CudaBackend>,
+        arena: std::ptr::NonNull<u8>,
+        len: usize,
+        layout: &ChunkLayout,
+    ) -> Result<CudaChunks> {
+        // SAFETY: the caller's contract.
+        let registration = unsafe { HostRegistration::new(arena.as_ptr(), len)? };
+        let slots = len / layout.chunk_bytes.max(1);
+        let mirror = if gpu.integrated() {
+            None
+        } else {
+            Some(Mirror {
+                arena: zeros("the neuron cache's device twin", len)?,
+                holds: vec![None; slots],
+            })
+        };
+        let n = layout.chunks_per_layer;
+        Ok(CudaChunks {
+            arena: registration,
+            mirror,
+            slot_bytes: layout.chunk_bytes,
+            x: zeros("x", layout.d_model)?,
+            h: zeros("h", layout.n_ff)?,
+            acc: zeros("acc", layout.d_model)?,
+            active: zeros("active", 1)?,
+            ptrs: zeros("chunk pointers", n)?,
+            index: zeros("chunk index", n)?,
+            host_ptrs: vec![0; n.max(1)],
+            host_index: vec![0; n.max(1)],
+            host_h: vec![0.0; layout.n_ff],
+            copied_bytes: 0,
+            gpu,
+        })
+    }
+
+    /// Bytes of device memory this takes beyond the registered arena (the twin on a discrete
+    /// GPU, plus the stage buffers): what the daemon adds to the model's GPU share.
+    pub fn device_bytes(&self) -> usize {
+        self.mirror.as_ref().map_or(0, |m| m.arena.len())
+            + 4 * (2 * self.x.len() + self.h.len() + 1)
+            + 12 * self.ptrs.len()
+    }
+
+    /// The device address of `bytes` (a Ready slot of the arena), copying it to the twin
+    /// first on a discrete GPU.
+    fn device_address(&mut self, l: usize, c: usize, bytes: &[u8]) -> Result<u64> {
+        let host = bytes.as_ptr();
+        let mapped = self.arena.device_ptr(host).ok_or_else(|| {
+            Error::Cuda(format!(
+                "chunk {c} of layer {l} is outside the registered cache"
+            ))
+        })?;
+        let Some(mirror) = self.mirror.as_mut() else {
+            return Ok(mapped.as_raw());
+        };
+        let offset = host as usize - self.arena.host_start() as usize;
+        let dst: DevicePointer<u8> = mirror.arena.as_device_ptr().wrapping_add(offset);
+        let slot = offset / self.slot_bytes;
+        if mirror.holds[slot] != Some((l, c)) {
+            // SAFETY: `bytes` is a Ready slot: registered (page-locked), not written while the
+            // chunk stays cached, and pinned by the pipeline until this stage has synchronised;
+            // `dst` is the same range of the twin, which only this stream touches.
+            unsafe { copy_to_device_async(dst, host, bytes.len(), &self.gpu.stream)? };
+            mirror.holds[slot] = Some((l, c));
+            self.copied_bytes += bytes.len() as u64;
+        }
+        Ok(dst.as_raw())
+    }
+}
+
+impl ChunkCompute for CudaChunks {
+    fn compute<'b>(
+        &mut self,
+        math: &ChunkMath<'_>,
+        l: usize,
+        chunks: &[usize],
+        bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
+        x: &[f32],
+        h: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<usize> {
+        let layout = math.layout;
+        if chunks.len() > self.host_ptrs.len() {
+            return Err(Error::InvalidArgument {
+                arg: "chunks",
+                reason: format!(
+                    "{} chunks, a layer has {}",
+                    chunks.len(),
+                    self.host_ptrs.len()
+                ),
+            });
+        }
+        for (i, &c) in chunks.iter().enumerate() {
+            self.host_ptrs[i] = self.device_address(l, c, bytes_of(c))?;
+            self.host_index[i] = c as u32;
+        }
+        // The previous stage ended with a synchronisation, so these buffers are idle.
+        self.ptrs
+            .copy_from(&self.host_ptrs[..])
+            .map_err(cuda("copying chunk pointers"))?;
+        self.index
+            .copy_from(&self.host_index[..])
+            .map_err(cuda("copying chunk indices"))?;
+        self.x.copy_from(x).map_err(cuda("copying the FFN input"))?;
+        let stream = &self.gpu.stream;
+        // SAFETY: the buffers are this value's and only this stream uses them.
+        unsafe {
+            self.acc
+                .set_32_async(0, stream)
+                .map_err(cuda("clearing acc"))?;
+            self.active
+                .set_32_async(0, stream)
+                .map_err(cuda("clearing the active count"))?;
+        }
+        let listed = GatheredChunks {
+            ptrs: self.ptrs.as_device_ptr(),
+            index: self.index.as_device_ptr(),
+            n: chunks.len(),
+        };
+        self.gpu.ffn_gathered(
+            layout,
+            listed,
+            math.activation,
+            math.threshold,
+            self.x.as_device_ptr(),
+            self.h.as_device_ptr(),
+            self.acc.as_device_ptr(),
+            self.active.as_device_ptr(),
+        )?;
+        self.gpu.sync()?;
+        self.h
+            .copy_to(&mut self.host_h[..])
+            .map_err(cuda("copying activations"))?;
+        for &c in chunks {
+            let r = layout.neurons(c);
+            h[r.clone()].copy_from_slice(&self.host_h[r]);
+        }
+        let acc = download(&self.acc, layout.d_model)?;
+        crate::backend::cpu::add_inplace(out, &acc);
+        Ok(download(&self.active, 1)?[0] as usize)
+    }
+}

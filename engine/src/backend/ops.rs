@@ -1,0 +1,311 @@
+//! The kernel set every compute backend provides, one call per kernel on host vectors.
+//!
+//! This is the seam the conformance tests ([`super::conformance`]) run through: the same test
+//! body drives the CPU kernels ([`CpuOps`]) and, with feature `cuda`, the GPU kernels, and
+//! compares each with a plain f32 computation. The forward passes do not go through it (they
+//! keep their buffers on their own device); they call the same kernels directly.
+
+use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
+use crate::model::{FfnActivation, QRows, RopeStyle, TensorBytes};
+use crate::pipeline::ChunkLayout;
+use crate::{Error, Result};
+
+/// A matrix of quantised rows stored back to back.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    pub dtype: crate::quant::DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+impl Matrix<'_> {
+    /// Checks that the bytes hold `rows` rows of `cols` values and `x` has `cols` values.
+    pub fn check(&self, x: &[f32]) -> Result<usize> {
+        let row_bytes = self
+            .dtype
+            .row_bytes(self.cols)
+            .ok_or_else(|| invalid("cols", format!("{} values per row", self.cols)))?;
+        if self.bytes.len() != self.rows * row_bytes {
+            return Err(invalid(
+                "bytes",
+                format!(
+                    "{} bytes for {}×{} {:?}",
+                    self.bytes.len(),
+                    self.rows,
+                    self.cols,
+                    self.dtype
+                ),
+            ));
+        }
+        expect_len("x", x, self.cols)?;
+        Ok(row_bytes)
+    }
+}
+
+/// The shape of one decode-attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions in the caches (the current one included).
+    pub n_pos: usize,
+}
+
+impl AttentionShape {
+    /// Values of one cached position (`n_kv_heads * head_dim`).
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Checks the query and the caches against the shape.
+    pub fn check(&self, q: &[f32], keys: &[f32], values: &[f32]) -> Result<()> {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(invalid("n_kv_heads", format!("{self:?}")));
+        }
+        if self.n_pos == 0 {
+            return Err(invalid("n_pos", "no position to attend to".into()));
+        }
+        expect_len("q", q, self.n_heads * self.head_dim)?;
+        expect_len("keys", keys, self.n_pos * self.kv_dim())?;
+        expect_len("values", values, self.n_pos * self.kv_dim())
+    }
+}
+
+/// A layer's sparse FFN over some of its chunks: what `pipeline::kernel::ChunkMath` computes.
+#[derive(Clone, Copy, Debug)]
+pub struct FfnChunks<'a> {
+    pub layout: &'a ChunkLayout,
+    /// The listed chunks: (index inside the layer, stored bytes), no chunk twice.
+    pub chunks: &'a [(usize, &'a [u8])],
+    pub activation: FfnActivation,
+    /// |activation| below this counts as inactive (0 keeps every neuron).
+    pub threshold: f32,
+    /// The FFN-normed input, `d_model` values.
+    pub x: &'a [f32],
+}
+
+/// What [`KernelOps::ffn_chunks`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FfnOutput {
+    /// `n_ff` activations: the listed chunks' neurons, 0 elsewhere and where inactive.
+    pub h: Vec<f32>,
+    /// `d_model` values: the listed chunks' share of the FFN output.
+    pub out: Vec<f32>,
+    /// Neurons kept.
+    pub active: usize,
+}
+
+/// One kernel per method; each validates its arguments and says what was wrong.
+pub trait KernelOps {
+    /// Which backend (and device) this is, for messages.
+    fn name(&self) -> String;
+    /// RMSNorm of each row of `x` (rows of `weight.len()` values).
+    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>>;
+    /// `silu(gate) * up`, element by element.
+    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
+    /// `a + b`, element by element.
+    fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>>;
+    /// `W x (+ bias)`.
+    fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>>;
+    /// RoPE of every `head_dim`-value head of `x` at position `pos`.
+    fn rope(
+        &self,
+        x: &[f32],
+        head_dim: usize,
+        pos: usize,
+        base: f32,
+        style: RopeStyle,
+    ) -> Result<Vec<f32>>;
+    /// One query token's attention over cached keys and values (rows of `kv_dim` values per
+    /// position), grouped-query heads.
+    fn attention_decode(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>>;
+    /// The sparse FFN over the listed chunks.
+    fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput>;
+    /// The index of the largest logit (the lowest among equals).
+    fn argmax(&self, logits: &[f32]) -> Result<u32>;
+    /// The `k` largest logits, largest first, as (index, value); ties by lower index.
+    fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>>;
+}
+
+pub(crate) fn invalid(arg: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { arg, reason }
+}
+
+pub(crate) fn expect_len(arg: &'static str, v: &[f32], want: usize) -> Result<()> {
+    if v.len() == want {
+        Ok(())
+    } else {
+        Err(invalid(arg, format!("{} values, expected {want}", v.len())))
+    }
+}
+
+/// Checks a [`FfnChunks`] call: input width, chunk indices, no chunk twice, whole chunks.
+pub(crate) fn check_ffn(f: &FfnChunks<'_>) -> Result<()> {
+    let l = f.layout;
+    expect_len("x", f.x, l.d_model)?;
+    let mut seen = vec![false; l.chunks_per_layer];
+    for &(c, bytes) in f.chunks {
+        if c >= l.chunks_per_layer || std::mem::replace(&mut seen[c], true) {
+            return Err(invalid(
+                "chunks",
+                format!("chunk {c} missing or listed twice"),
+            ));
+        }
+        if bytes.len() < l.neurons(c).len() * l.bundle_bytes {
+            return Err(invalid(
+                "chunks",
+                format!("chunk {c}: {} bytes", bytes.len()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The RoPE `(sin, cos)` table of position `pos` for `head_dim`-value heads.
+pub fn rope_table(head_dim: usize, pos: usize, base: f32) -> Vec<(f32, f32)> {
+    (0..head_dim / 2)
+        .map(|i| (pos as f32 * base.powf(-2.0 * i as f32 / head_dim as f32)).sin_cos())
+        .collect()
+}
+
+/// The CPU kernels of [`crate::backend::cpu`] (the best table for this machine).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuOps;
+
+impl KernelOps for CpuOps {
+    fn name(&self) -> String {
+        format!("cpu ({})", Kernels::best().name())
+    }
+
+    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
+        let n = weight.len();
+        if n == 0 || !x.len().is_multiple_of(n) {
+            return Err(invalid("x", format!("{} values in rows of {n}", x.len())));
+        }
+        let mut out = vec![0.0; x.len()];
+        for (o, r) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+            cpu::rmsnorm(o, r, weight, eps);
+        }
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+        expect_len("up", up, gate.len())?;
+        let mut out = gate.to_vec();
+        cpu::silu_mul(&mut out, up);
+        Ok(out)
+    }
+
+    fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
+        expect_len("b", b, a.len())?;
+        let mut out = a.to_vec();
+        cpu::add_inplace(&mut out, b);
+        Ok(out)
+    }
+
+    fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
+        w.check(x)?;
+        if let Some(b) = bias {
+            expect_len("bias", b, w.rows)?;
+        }
+        let m = QRows::contiguous(
+            w.dtype,
+            w.rows,
+            w.cols,
+            TensorBytes::from_vec(w.bytes.to_vec()),
+        )
+        .ok_or_else(|| invalid("w", "not a whole matrix".into()))?;
+        let mut y = vec![0.0; w.rows];
+        let mut scratch = QuantizedActs::new(0);
+        Kernels::best().matvec(&m, x, &mut y, Precision::Exact, &mut scratch);
+        if let Some(b) = bias {
+            cpu::add_inplace(&mut y, b);
+        }
+        Ok(y)
+    }
+
+    fn rope(
+        &self,
+        x: &[f32],
+        head_dim: usize,
+        pos: usize,
+        base: f32,
+        style: RopeStyle,
+    ) -> Result<Vec<f32>> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
+            return Err(invalid(
+                "head_dim",
+                format!("{head_dim} for {} values", x.len()),
+            ));
+        }
+        let mut out = x.to_vec();
+        cpu::rope(&mut out, head_dim, &rope_table(head_dim, pos, base), style);
+        Ok(out)
+    }
+
+    fn attention_decode(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        shape: AttentionShape,
+    ) -> Result<Vec<f32>> {
+        shape.check(q, keys, values)?;
+        let hd = shape.head_dim;
+        let group = shape.n_heads / shape.n_kv_heads;
+        let mut out = vec![0.0; q.len()];
+        let mut scores = vec![0.0; shape.n_pos];
+        for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
+            let kv_off = (h / group) * hd;
+            cpu::attend(qh, keys, values, shape.kv_dim(), kv_off, &mut scores, oh);
+        }
+        Ok(out)
+    }
+
+    fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput> {
+        check_ffn(f)?;
+        let l = f.layout;
+        let math = crate::pipeline::kernel::ChunkMath {
+            layout: l,
+            kernels: Kernels::best(),
+            activation: f.activation,
+            threshold: f.threshold,
+            fast: None,
+        };
+        let (mut h, mut out) = (vec![0.0; l.n_ff], vec![0.0; l.d_model]);
+        let active = f
+            .chunks
+            .iter()
+            .map(|&(c, bytes)| math.chunk(c, bytes, f.x, &mut h[l.neurons(c)], &mut out))
+            .sum();
+        Ok(FfnOutput { h, out, active })
+    }
+
+    fn argmax(&self, logits: &[f32]) -> Result<u32> {
+        if logits.is_empty() {
+            return Err(invalid("logits", "empty".into()));
+        }
+        Ok(crate::sample::argmax(logits))
+    }
+
+    fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>> {
+        if k == 0 || k > logits.len() {
+            return Err(invalid("k", format!("{k} of {} logits", logits.len())));
+        }
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        // Largest first; equal values by lower index (a stable sort keeps index order).
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        Ok(order[..k]
+            .iter()
+            .map(|&i| (i, logits[i as usize]))
+            .collect())
+    }
+}
