@@ -10,6 +10,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::backend::select::{BackendChoice, cuda_available};
 use leanstream_engine::pipeline::Mode;
 use serde::Deserialize;
 
@@ -145,20 +146,8 @@ pub struct RawLimits {
     pub max_prompt_bytes: Option<usize>,
 }
 
-/// Compute backend actually used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    Cpu,
-}
-
-impl Backend {
-    /// The name reported on D-Bus.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-        }
-    }
-}
+/// Compute backend actually used (`backend` in `[engine]`, resolved once at start).
+pub use leanstream_engine::backend::select::Backend;
 
 /// The neuron cache's share of a model's streamed FFN bytes when no key sets it.
 pub const DEFAULT_CACHE_SHARE: f64 = 0.25;
@@ -291,25 +280,16 @@ impl Params {
                 format!("{compute_threads} is outside 0..=1024 (0 = one per core)"),
             ));
         }
-        let backend = match e.backend.as_deref().unwrap_or("auto") {
-            "cpu" => Backend::Cpu,
-            "auto" => {
-                tracing::info!("backend auto: using the CPU (this build has no CUDA backend)");
-                Backend::Cpu
-            }
-            "cuda" => {
-                return Err(bad(
-                    "engine.backend",
-                    "is `cuda` but this build has no CUDA support (build with the `cuda` feature, or use `auto` or `cpu`)",
-                ));
-            }
-            b => {
-                return Err(bad(
-                    "engine.backend",
-                    format!("`{b}` is not auto, cpu or cuda"),
-                ));
-            }
-        };
+        let choice: BackendChoice = e
+            .backend
+            .as_deref()
+            .unwrap_or("auto")
+            .parse()
+            .map_err(|err: leanstream_engine::Error| bad("engine.backend", err.to_string()))?;
+        let (backend, why) = choice
+            .resolve_with(cuda_available)
+            .map_err(|err| bad("engine.backend", err.to_string()))?;
+        tracing::info!("compute backend {}: {why}", backend.name());
         let precision = match e.precision.as_deref().unwrap_or("exact") {
             "exact" => Precision::Exact,
             "fast" => Precision::Fast,

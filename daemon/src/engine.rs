@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
 use leanstream_engine::chat::ChatMessage;
-use leanstream_engine::forward::Session;
+use leanstream_engine::generate::Decode;
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
 
@@ -56,7 +56,7 @@ pub enum EngineCmd {
     Open {
         id: SessionId,
         model: Arc<LoadedModel>,
-        session: Box<Session>,
+        session: Box<dyn Decode + Send>,
     },
     /// Drops the session (and cancels its generation without a final event: the stream just ends).
     Close { id: SessionId },
@@ -182,7 +182,7 @@ struct Generation {
 #[derive(Debug)]
 struct EngineSession {
     model: Arc<LoadedModel>,
-    session: Box<Session>,
+    session: Box<dyn Decode + Send>,
     /// The tokens in the KV cache, in order.
     seen: Vec<u32>,
     generation: Option<Generation>,
@@ -404,7 +404,7 @@ impl Scheduler {
             return;
         };
         let outcome = match &mut s.generation {
-            Some(g) => advance(s.model.as_ref(), &mut s.session, &mut s.seen, g),
+            Some(g) => advance(s.model.as_ref(), s.session.as_mut(), &mut s.seen, g),
             None => return,
         };
         if let Step::Over = outcome
@@ -519,7 +519,7 @@ fn end_done(g: &mut Generation, reason: &str) {
 /// the same settings), but one forward pass at a time.
 fn advance(
     model: &LoadedModel,
-    session: &mut Session,
+    session: &mut dyn Decode,
     seen: &mut Vec<u32>,
     g: &mut Generation,
 ) -> Step {
@@ -547,7 +547,7 @@ fn advance(
 /// One forward pass of `session`, through the model's sparse FFN pipeline when it has one.
 fn forward<'s>(
     model: &LoadedModel,
-    session: &'s mut Session,
+    session: &'s mut dyn Decode,
     token: u32,
 ) -> leanstream_engine::Result<&'s mut [f32]> {
     match &model.ffn {
@@ -565,7 +565,7 @@ fn forward<'s>(
 
 fn compute(
     model: &LoadedModel,
-    session: &mut Session,
+    session: &mut dyn Decode,
     seen: &mut Vec<u32>,
     g: &mut Generation,
 ) -> leanstream_engine::Result<()> {
@@ -651,9 +651,8 @@ mod tests {
         let mut readers = Vec::new();
         for (i, (model, prompt)) in runs.iter().enumerate() {
             let id = i as SessionId + 1;
-            let session = Session::new(Arc::clone(&model.model), 64, Precision::Exact).unwrap();
+            let session = model.open_session(64, Precision::Exact).unwrap();
             let model = Arc::clone(model);
-            let session = Box::new(session);
             engine
                 .tx
                 .send(EngineCmd::Open { id, model, session })

@@ -10,14 +10,18 @@
 use std::sync::{Arc, Mutex};
 
 use leanstream::contract::LeanStreamError;
+use leanstream_engine::backend::cpu::Precision;
+#[cfg(feature = "cuda")]
+use leanstream_engine::backend::cuda::CudaModel;
 use leanstream_engine::chat::ChatTemplate;
-use leanstream_engine::forward::Model;
+use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::generate::Decode;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::model::map_file;
 use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::predict::PredictorKind;
 
-use crate::config::{ModelParams, Params};
+use crate::config::{Backend, ModelParams, Params};
 use crate::models::ModelFile;
 
 /// Why a load failed. Cloneable, unlike the wire error, because every request waiting for the
@@ -51,6 +55,20 @@ pub struct Footprint {
 }
 
 impl Footprint {
+    /// The footprint on `backend`. On CUDA the device copy of the resident weights (the whole
+    /// file in `dense` mode) counts as resident too: on Jetson the GPU's memory is the host's,
+    /// so the budget must hold both copies. (A discrete GPU's twin of the neuron cache is device
+    /// memory outside the host budget and is not counted.)
+    pub fn on_backend(self, backend: Backend) -> Footprint {
+        match backend {
+            Backend::Cpu => self,
+            Backend::Cuda => Footprint {
+                resident_bytes: 2 * self.resident_bytes,
+                ..self
+            },
+        }
+    }
+
     /// The footprint of `file` run as `p` says, from the file size and (for sparse modes) the
     /// `.lsm` header alone:
     ///
@@ -104,9 +122,31 @@ pub struct LoadedModel {
     /// mode. Only the scheduler thread locks it, one forward pass at a time, so the lock is never
     /// contended; it is there because the model is shared with the state owner.
     pub ffn: Option<Mutex<Executor>>,
+    /// The weights on the GPU (backend `cuda`): resident weights, plus the whole FFN in `dense`
+    /// mode; the pipeline's chunk computations run there too.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<Arc<leanstream_engine::backend::cuda::CudaModel>>,
 }
 
 impl LoadedModel {
+    /// A new conversation on this model, on the backend it was loaded for.
+    pub fn open_session(
+        &self,
+        context: usize,
+        precision: Precision,
+    ) -> leanstream_engine::Result<Box<dyn Decode + Send>> {
+        #[cfg(feature = "cuda")]
+        if let Some(m) = &self.gpu {
+            let s = leanstream_engine::backend::cuda::CudaSession::new(Arc::clone(m), context)?;
+            return Ok(Box::new(s));
+        }
+        Ok(Box::new(Session::new(
+            Arc::clone(&self.model),
+            context,
+            precision,
+        )?))
+    }
+
     /// Loads `file` as `params` say for its model, with a neuron cache of `cache_bytes` (from
     /// its [`Footprint`], already reserved). Blocking: call on a loader thread.
     ///
@@ -160,8 +200,31 @@ impl LoadedModel {
                 exec.cache_bytes(),
                 p.cache_share
             );
-            (Arc::clone(&sm.model), Some(Mutex::new(exec)))
+            (Arc::clone(&sm.model), Some(exec))
         };
+        #[cfg(feature = "cuda")]
+        let (gpu, ffn) = {
+            let mut ffn = ffn;
+            let gpu = match params.backend {
+                Backend::Cpu => None,
+                Backend::Cuda => {
+                    let backend = crate::gpu::shared().map_err(failed)?;
+                    if let Some(e) = &mut ffn {
+                        e.use_cuda(Arc::clone(&backend)).map_err(failed)?;
+                    }
+                    let dense = ffn.is_none();
+                    let m = CudaModel::new(backend, Arc::clone(&model), dense).map_err(failed)?;
+                    tracing::info!(
+                        "model {}: {} bytes of weights on the GPU",
+                        file.name,
+                        m.device_bytes()
+                    );
+                    Some(Arc::new(m))
+                }
+            };
+            (gpu, ffn)
+        };
+        let ffn = ffn.map(Mutex::new);
         let source = model
             .chat_template
             .as_deref()
@@ -179,6 +242,8 @@ impl LoadedModel {
             model,
             template,
             ffn,
+            #[cfg(feature = "cuda")]
+            gpu,
         })
     }
 }
@@ -223,7 +288,7 @@ mod tests {
 
     /// Loads `file` the way the state owner does: footprint first, then the model.
     fn load(file: &ModelFile, params: &Params) -> Result<(Footprint, LoadedModel), LoadError> {
-        let fp = Footprint::of(file, params.model(&file.name))?;
+        let fp = Footprint::of(file, params.model(&file.name))?.on_backend(params.backend);
         Ok((fp, LoadedModel::load(file, params, fp.cache_bytes)?))
     }
 

@@ -10,6 +10,8 @@ mod arbiter;
 mod config;
 mod daemon;
 mod engine;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod loader;
 mod memory;
 mod models;

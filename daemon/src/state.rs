@@ -15,7 +15,7 @@ use leanstream::contract::{
     ClientMemory, LeanStreamError, MemoryReport, ModelInfo, ModelMemory, SESSION_PATH_PREFIX,
     SessionMemory, SessionStats,
 };
-use leanstream_engine::forward::{Session, kv_cache_bytes};
+use leanstream_engine::forward::kv_cache_bytes;
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
@@ -561,7 +561,7 @@ impl<M: Memory> State<M> {
         self.memory
             .open_session(id, &model.name, &client, bytes)
             .map_err(|e| LeanStreamError::OverBudget(e.to_string()))?;
-        let session = match Session::new(Arc::clone(&model.model), context, self.params.precision) {
+        let session = match model.open_session(context, self.params.precision) {
             Ok(s) => s,
             Err(e) => {
                 self.memory.close_session(id);
@@ -572,7 +572,7 @@ impl<M: Memory> State<M> {
         let _ = self.engine.send(EngineCmd::Open {
             id,
             model: Arc::clone(model),
-            session: Box::new(session),
+            session,
         });
         tracing::info!(
             "session {id} on {} for {client}: {context} tokens, {bytes} bytes",
@@ -787,7 +787,7 @@ fn load_reserved(
     params: &Params,
     requests: &mpsc::Sender<Request>,
 ) -> Result<LoadedModel, LoadError> {
-    let footprint = Footprint::of(file, params.model(&file.name))?;
+    let footprint = Footprint::of(file, params.model(&file.name))?.on_backend(params.backend);
     let (reply, rx) = oneshot::channel();
     let gone = || LoadError::Failed("the daemon is shutting down".into());
     requests

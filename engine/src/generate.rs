@@ -6,7 +6,7 @@ use crate::forward::{FfnExecutor, Session};
 
 /// A forward pass that decodes one conversation: the CPU [`Session`], or with feature `cuda`
 /// the GPU's `backend::cuda::CudaSession`. [`generate`] and [`score`] run on either.
-pub trait Decode {
+pub trait Decode: std::fmt::Debug {
     /// Runs `token` at the next position; returns the logits.
     fn forward(&mut self, token: u32) -> Result<&mut [f32]>;
     /// Runs `tokens` at the next positions; returns the logits of the last.

@@ -76,6 +76,7 @@ impl CudaChunks {
         len: usize,
         layout: &ChunkLayout,
     ) -> Result<CudaChunks> {
+        gpu.bind()?;
         // SAFETY: the caller's contract.
         let registration = unsafe { HostRegistration::new(arena.as_ptr(), len)? };
         let slots = len / layout.chunk_bytes.max(1);
@@ -153,6 +154,7 @@ impl ChunkCompute for CudaChunks {
         out: &mut [f32],
     ) -> Result<usize> {
         let layout = math.layout;
+        self.gpu.bind()?;
         if chunks.len() > self.host_ptrs.len() {
             return Err(Error::InvalidArgument {
                 arg: "chunks",

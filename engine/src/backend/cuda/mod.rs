@@ -67,7 +67,7 @@ pub struct CudaBackend {
     modules: Vec<(&'static str, Module)>,
     device: String,
     integrated: bool,
-    _ctx: Context, // dropped last: modules and the stream belong to it
+    ctx: Context, // dropped last: modules and the stream belong to it
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -104,13 +104,21 @@ impl CudaBackend {
             modules,
             device,
             integrated,
-            _ctx: ctx,
+            ctx,
         })
     }
 
     /// The device's name.
     pub fn device(&self) -> &str {
         &self.device
+    }
+
+    /// Makes this backend's context current on the calling thread. CUDA contexts are current
+    /// per thread, and a session may be created on one thread and run on another (the daemon's
+    /// engine thread), so every entry point that launches work calls this first (a cheap
+    /// driver call).
+    pub fn bind(&self) -> Result<()> {
+        cust::context::CurrentContext::set_current(&self.ctx).map_err(cuda("binding the context"))
     }
 
     /// True on a GPU that shares the host's memory (Jetson, Orin).
@@ -138,3 +146,12 @@ impl CudaBackend {
         self.stream.synchronize().map_err(cuda("synchronising"))
     }
 }
+
+/// Sessions move to the daemon's engine thread and share one backend.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    const fn send<T: Send>() {}
+    send_sync::<CudaBackend>();
+    send::<CudaSession>();
+    send::<CudaChunks>();
+};

@@ -148,6 +148,7 @@ impl CudaModel {
     /// decoding), to the device behind `gpu`. Without the FFN only
     /// [`CudaSession::forward_with`] runs: the streaming pipeline brings the FFN.
     pub fn new(gpu: Arc<CudaBackend>, model: Arc<Model>, with_ffn: bool) -> Result<CudaModel> {
+        gpu.bind()?;
         let w = &model.weights;
         let c = &w.config;
         let first = &w.layers[0].ffn;
@@ -266,6 +267,7 @@ impl std::fmt::Debug for CudaSession {
 impl CudaSession {
     /// A session with room for `max_context` tokens.
     pub fn new(model: Arc<CudaModel>, max_context: usize) -> Result<CudaSession> {
+        model.gpu.bind()?;
         let c = model.host.weights.config.clone();
         if max_context == 0 || max_context > c.context_length {
             return Err(Error::InvalidArgument {
@@ -374,6 +376,7 @@ impl CudaSession {
         check_tokens(self.config(), self.max_context - self.pos, &[token])?;
         let model = Arc::clone(&self.model);
         let (gpu, w) = (&model.gpu, &model.host.weights);
+        gpu.bind()?;
         let c = &w.config;
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let pos = self.pos;
