@@ -72,6 +72,10 @@ fn run_json_gives_the_fixture_greedy_ids() {
         v["text"],
         " girl named Emma who loved to play in the sun. She would often go to"
     );
+    assert_eq!(
+        v["stats"]["backend"], "cpu",
+        "auto picks the CPU in this build"
+    );
     for key in [
         "prefill_tokens_per_s",
         "decode_tokens_per_s",
@@ -403,4 +407,39 @@ fn bad_input_gets_a_clear_error() {
         bad_text.to_str().unwrap(),
     ]);
     assert!(e.contains("latin1.txt") && e.contains("not UTF-8"), "{e}");
+}
+
+/// `--backend cuda` in a build without the feature is refused with the reason, never run on the
+/// CPU behind the user's back; `auto` says on stderr which backend it took and why.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn backend_choice_is_reported_and_cuda_without_the_feature_is_refused() {
+    let m = real_gguf();
+    let m = m.to_str().unwrap();
+    let run = |backend: &str| {
+        leanstream(&[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "2",
+            "--backend",
+            backend,
+        ])
+    };
+    let out = run("cuda");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("feature `cuda`"), "{err}");
+    let out = run("auto");
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("compute backend: cpu (auto: using the CPU because"),
+        "{err}"
+    );
+    let err = err_text(&["run", "--model", m, "--prompt", "Hi", "--backend", "gpu"]);
+    assert!(err.contains("auto, cpu, cuda"), "{err}");
 }

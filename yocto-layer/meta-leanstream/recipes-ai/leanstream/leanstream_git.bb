@@ -23,9 +23,9 @@ require ${BPN}-crates.inc
 
 inherit cargo cargo-update-recipe-crates systemd useradd
 
-# The CUDA backend (feature "cuda" of the daemon crate) links libcuda from meta-tegra.
+# The CUDA backend (feature "cuda" of the daemon and the CLI) links libcuda from meta-tegra.
 PACKAGECONFIG ??= ""
-PACKAGECONFIG[cuda] = "--features leanstreamd/cuda,,tegra-libraries-cuda,tegra-libraries-cuda"
+PACKAGECONFIG[cuda] = "--features leanstreamd/cuda --features leanstream/cuda,,tegra-libraries-cuda,tegra-libraries-cuda"
 
 # The daemon and the CLI; the native variant (model conversion at build time) needs the CLI only.
 LEANSTREAM_CARGO_PACKAGES = "-p leanstreamd -p leanstream"
