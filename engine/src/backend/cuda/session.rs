@@ -165,8 +165,17 @@ impl CudaModel {
         .ok_or_else(|| Error::Cuda("the FFN row types do not fit d_model".into()))?;
         let mut layers = Vec::with_capacity(w.layers.len());
         for (l, lw) in w.layers.iter().enumerate() {
-            let types = [lw.ffn.gate.dtype, lw.ffn.up.dtype];
-            if types != [ffn_layout.gate_dtype, ffn_layout.up_dtype] {
+            let down = match &lw.ffn.down {
+                Down::Neurons(m) => m.dtype,
+                Down::Rows(_) => DType::F32,
+            };
+            let types = [lw.ffn.gate.dtype, lw.ffn.up.dtype, down];
+            let want = [
+                ffn_layout.gate_dtype,
+                ffn_layout.up_dtype,
+                ffn_layout.down_dtype,
+            ];
+            if types != want {
                 return Err(Error::Cuda(format!(
                     "layer {l}: FFN types {types:?} differ from layer 0's"
                 )));
