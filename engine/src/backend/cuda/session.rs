@@ -389,8 +389,10 @@ impl CudaSession {
         let c = &w.config;
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let pos = self.pos;
-        // Everything queued before has finished (each token ends with a synchronisation), so
-        // the synchronous copy cannot race the stream.
+        // The copy below is synchronous on the legacy stream, which does not wait for this
+        // non-blocking stream: wait for the previous token's kernels (a batch queues tokens back
+        // to back) so it cannot overwrite `x` under them.
+        gpu.sync()?;
         w.token_embd
             .dequantize_row(token as usize, &mut self.host_x);
         self.x
