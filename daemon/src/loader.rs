@@ -322,6 +322,15 @@ mod tests {
         let (fp, model) = load(&file, &fx.params("")).unwrap();
         assert_eq!((fp.resident_bytes, fp.cache_bytes), (file.bytes, 0));
         assert!(model.ffn.is_none());
+
+        // On the GPU the device copy of the resident weights counts too; the cache does not
+        // change (on Jetson the GPU reads it in place).
+        assert_eq!(fp.on_backend(Backend::Cpu), fp);
+        let gpu = fp.on_backend(Backend::Cuda);
+        assert_eq!(
+            (gpu.resident_bytes, gpu.cache_bytes),
+            (2 * fp.resident_bytes, fp.cache_bytes)
+        );
     }
 
     #[test]
