@@ -7,7 +7,7 @@
 //! keys and values). Its logits agree with `Session` in exact precision to float rounding (tested).
 
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
-use crate::model::{LayerWeights, RopeStyle, Weights};
+use crate::model::{LayerWeights, Weights};
 use crate::{Error, Result};
 
 /// Runs one layer's FFN for one token.
@@ -202,13 +202,12 @@ impl<'w> WindowForward<'w> {
                     cpu::add_inplace(buf, b);
                 }
             }
-            rope(q, hd, &table, c.rope_style);
-            rope(kk, hd, &table, c.rope_style);
+            cpu::rope(q, hd, &table, c.rope_style);
+            cpu::rope(kk, hd, &table, c.rope_style);
         }
 
         // Causal attention, one query head per task; GQA maps `group` query heads to a KV head.
         let group = c.n_heads / c.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
         let (q, keys, values) = (&self.q, &self.k, &self.v);
         let max_window = self.max_window;
         let att = Disjoint::new(&mut self.att);
@@ -226,17 +225,7 @@ impl<'w> WindowForward<'w> {
                             all_scores.range(h * max_window..h * max_window + t + 1),
                         )
                     };
-                    let qh = &q[o..o + hd];
-                    for (p, sc) in scores.iter_mut().enumerate() {
-                        let kh = &keys[p * kv_dim + kv_off..][..hd];
-                        *sc = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    }
-                    cpu::softmax_inplace(scores);
-                    out.fill(0.0);
-                    for (p, &sc) in scores.iter().enumerate() {
-                        let vh = &values[p * kv_dim + kv_off..][..hd];
-                        out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
-                    }
+                    cpu::attend(&q[o..o + hd], keys, values, kv_dim, kv_off, scores, out);
                 }
             }
         });
@@ -250,21 +239,5 @@ impl<'w> WindowForward<'w> {
             k.matmats(x, m, [(&layer.wo, &mut self.proj[s * d..(s + m) * d])]);
         }
         cpu::add_inplace(&mut self.x[..n * d], &self.proj[..n * d]);
-    }
-}
-
-/// Rotates each head of `x` by the angles whose `(sin, cos)` are in `rope`.
-fn rope(x: &mut [f32], head_dim: usize, rope: &[(f32, f32)], style: RopeStyle) {
-    let half = head_dim / 2;
-    for head in x.chunks_exact_mut(head_dim) {
-        for (i, &(sin, cos)) in rope.iter().enumerate() {
-            let (a, b) = match style {
-                RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
-                RopeStyle::HalfSplit => (i, i + half),
-            };
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * cos - x1 * sin;
-            head[b] = x0 * sin + x1 * cos;
-        }
     }
 }
