@@ -20,8 +20,9 @@ pub struct Matrix<'a> {
 }
 
 impl Matrix<'_> {
-    /// Checks that the bytes hold `rows` rows of `cols` values and `x` has `cols` values.
-    pub fn check(&self, x: &[f32]) -> Result<usize> {
+    /// Checks that the bytes hold `rows` rows of `cols` values, `x` has `cols` values and the
+    /// bias (if any) `rows`.
+    pub fn check(&self, x: &[f32], bias: Option<&[f32]>) -> Result<usize> {
         let row_bytes = self
             .dtype
             .row_bytes(self.cols)
@@ -39,6 +40,9 @@ impl Matrix<'_> {
             ));
         }
         expect_len("x", x, self.cols)?;
+        if let Some(b) = bias {
+            expect_len("bias", b, self.rows)?;
+        }
         Ok(row_bytes)
     }
 }
@@ -169,6 +173,34 @@ pub(crate) fn check_ffn(f: &FfnChunks<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Checks an RMSNorm call: `x` is whole rows of `weight.len()` values. Returns the row count.
+pub(crate) fn check_rows(x: &[f32], weight: &[f32]) -> Result<usize> {
+    let n = weight.len();
+    if n == 0 || !x.len().is_multiple_of(n) {
+        return Err(invalid("x", format!("{} values in rows of {n}", x.len())));
+    }
+    Ok(x.len() / n)
+}
+
+/// Checks a RoPE call: an even `head_dim` and whole heads. Returns the head count.
+pub(crate) fn check_heads(x: &[f32], head_dim: usize) -> Result<usize> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
+        return Err(invalid(
+            "head_dim",
+            format!("{head_dim} for {} values", x.len()),
+        ));
+    }
+    Ok(x.len() / head_dim)
+}
+
+/// Checks a sampling call: at least `k` (≥ 1) logits.
+pub(crate) fn check_top_k(logits: &[f32], k: usize) -> Result<()> {
+    if k == 0 || k > logits.len() {
+        return Err(invalid("k", format!("{k} of {} logits", logits.len())));
+    }
+    Ok(())
+}
+
 /// The RoPE `(sin, cos)` table of position `pos` for `head_dim`-value heads.
 pub fn rope_table(head_dim: usize, pos: usize, base: f32) -> Vec<(f32, f32)> {
     (0..head_dim / 2)
@@ -186,10 +218,8 @@ impl KernelOps for CpuOps {
     }
 
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
+        check_rows(x, weight)?;
         let n = weight.len();
-        if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(invalid("x", format!("{} values in rows of {n}", x.len())));
-        }
         let mut out = vec![0.0; x.len()];
         for (o, r) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
             cpu::rmsnorm(o, r, weight, eps);
@@ -212,10 +242,7 @@ impl KernelOps for CpuOps {
     }
 
     fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
-        w.check(x)?;
-        if let Some(b) = bias {
-            expect_len("bias", b, w.rows)?;
-        }
+        w.check(x, bias)?;
         let m = QRows::contiguous(
             w.dtype,
             w.rows,
@@ -240,12 +267,7 @@ impl KernelOps for CpuOps {
         base: f32,
         style: RopeStyle,
     ) -> Result<Vec<f32>> {
-        if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
-            return Err(invalid(
-                "head_dim",
-                format!("{head_dim} for {} values", x.len()),
-            ));
-        }
+        check_heads(x, head_dim)?;
         let mut out = x.to_vec();
         cpu::rope(&mut out, head_dim, &rope_table(head_dim, pos, base), style);
         Ok(out)
@@ -290,16 +312,12 @@ impl KernelOps for CpuOps {
     }
 
     fn argmax(&self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(invalid("logits", "empty".into()));
-        }
+        check_top_k(logits, 1)?;
         Ok(crate::sample::argmax(logits))
     }
 
     fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>> {
-        if k == 0 || k > logits.len() {
-            return Err(invalid("k", format!("{k} of {} logits", logits.len())));
-        }
+        check_top_k(logits, k)?;
         let mut order: Vec<u32> = (0..logits.len() as u32).collect();
         // Largest first; equal values by lower index (a stable sort keeps index order).
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));

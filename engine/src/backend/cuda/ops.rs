@@ -9,7 +9,8 @@ use super::kernels::GatheredChunks;
 use super::memory::{download, upload, zeros};
 use crate::Result;
 use crate::backend::ops::{
-    AttentionShape, FfnChunks, FfnOutput, KernelOps, Matrix, check_ffn, expect_len, invalid,
+    AttentionShape, FfnChunks, FfnOutput, KernelOps, Matrix, check_ffn, check_heads, check_rows,
+    check_top_k, expect_len,
 };
 use crate::model::RopeStyle;
 
@@ -19,14 +20,11 @@ impl KernelOps for CudaBackend {
     }
 
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
-        let n = weight.len();
-        if n == 0 || !x.len().is_multiple_of(n) {
-            return Err(invalid("x", format!("{} values in rows of {n}", x.len())));
-        }
+        let rows = check_rows(x, weight)?;
         let (dx, dw) = (upload("x", x)?, upload("weight", weight)?);
         let out = zeros::<f32>("out", x.len())?;
         let p = |b: &cust::memory::DeviceBuffer<f32>| b.as_device_ptr();
-        self.rmsnorm_on(p(&out), p(&dx), p(&dw), n, x.len() / n, eps)?;
+        self.rmsnorm_on(p(&out), p(&dx), p(&dw), weight.len(), rows, eps)?;
         self.sync()?;
         download(&out, x.len())
     }
@@ -40,10 +38,7 @@ impl KernelOps for CudaBackend {
     }
 
     fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
-        w.check(x)?;
-        if let Some(b) = bias {
-            expect_len("bias", b, w.rows)?;
-        }
+        w.check(x, bias)?;
         let (dw, dx) = (upload("w", w.bytes)?, upload("x", x)?);
         let db = bias.map(|b| upload("bias", b)).transpose()?;
         let y = zeros::<f32>("y", w.rows)?;
@@ -71,21 +66,9 @@ impl KernelOps for CudaBackend {
         base: f32,
         style: RopeStyle,
     ) -> Result<Vec<f32>> {
-        if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
-            return Err(invalid(
-                "head_dim",
-                format!("{head_dim} for {} values", x.len()),
-            ));
-        }
+        let heads = check_heads(x, head_dim)?;
         let dx = upload("x", x)?;
-        self.rope_on(
-            dx.as_device_ptr(),
-            x.len() / head_dim,
-            head_dim,
-            pos,
-            base,
-            style,
-        )?;
+        self.rope_on(dx.as_device_ptr(), heads, head_dim, pos, base, style)?;
         self.sync()?;
         download(&dx, x.len())
     }
@@ -160,9 +143,7 @@ impl KernelOps for CudaBackend {
     }
 
     fn argmax(&self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(invalid("logits", "empty".into()));
-        }
+        check_top_k(logits, 1)?;
         let dl = upload("logits", logits)?;
         let out = zeros::<u32>("out", 1)?;
         self.argmax_on(dl.as_device_ptr(), logits.len(), out.as_device_ptr())?;
@@ -171,9 +152,7 @@ impl KernelOps for CudaBackend {
     }
 
     fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>> {
-        if k == 0 || k > logits.len() {
-            return Err(invalid("k", format!("{k} of {} logits", logits.len())));
-        }
+        check_top_k(logits, k)?;
         let dl = upload("logits", logits)?;
         let (out_v, out_i) = (zeros::<f32>("values", k)?, zeros::<u32>("indices", k)?);
         self.top_k_on(
