@@ -22,7 +22,7 @@ use std::sync::Arc;
 use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
 
 use super::kernels::GatheredChunks;
-use super::memory::{HostRegistration, copy_to_device_async, download, zeros};
+use super::memory::{HostRegistration, copy_to_device_async, download_into, zeros};
 use super::{CudaBackend, cuda};
 use crate::pipeline::ChunkLayout;
 use crate::pipeline::kernel::{ChunkCompute, ChunkMath};
@@ -49,6 +49,8 @@ pub struct CudaChunks {
     host_ptrs: Vec<u64>,
     host_index: Vec<u32>,
     host_h: Vec<f32>,
+    host_acc: Vec<f32>,
+    host_active: [u32; 1],
     /// Bytes copied host → device into the mirror (0 on integrated GPUs).
     pub copied_bytes: u64,
 }
@@ -102,6 +104,8 @@ impl CudaChunks {
             host_ptrs: vec![0; n.max(1)],
             host_index: vec![0; n.max(1)],
             host_h: vec![0.0; layout.n_ff],
+            host_acc: vec![0.0; layout.d_model],
+            host_active: [0],
             copied_bytes: 0,
             gpu,
         })
@@ -203,15 +207,14 @@ impl ChunkCompute for CudaChunks {
             self.active.as_device_ptr(),
         )?;
         self.gpu.sync()?;
-        self.h
-            .copy_to(&mut self.host_h[..])
-            .map_err(cuda("copying activations"))?;
+        download_into(&self.h, &mut self.host_h)?;
         for &c in chunks {
             let r = layout.neurons(c);
             h[r.clone()].copy_from_slice(&self.host_h[r]);
         }
-        let acc = download(&self.acc, layout.d_model)?;
-        crate::backend::cpu::add_inplace(out, &acc);
-        Ok(download(&self.active, 1)?[0] as usize)
+        download_into(&self.acc, &mut self.host_acc)?;
+        download_into(&self.active, &mut self.host_active)?;
+        crate::backend::cpu::add_inplace(out, &self.host_acc);
+        Ok(self.host_active[0] as usize)
     }
 }

@@ -38,6 +38,19 @@ pub fn download<T: DeviceCopy + Default + Clone>(
     Ok(all)
 }
 
+/// Copies a whole device buffer into `host` (of the same length), synchronously: the per-token
+/// path's way back, into buffers allocated once.
+pub fn download_into<T: DeviceCopy>(buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+    if buf.len() != host.len() {
+        return Err(Error::Cuda(format!(
+            "copying {} values into {} on the host",
+            buf.len(),
+            host.len()
+        )));
+    }
+    buf.copy_to(host).map_err(cuda("copying to the host"))
+}
+
 /// Checks the result of a raw driver call.
 pub fn check(r: CUresult, what: &str) -> Result<()> {
     if r == cudaError_enum::CUDA_SUCCESS {

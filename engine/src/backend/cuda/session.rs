@@ -13,7 +13,7 @@ use std::sync::Arc;
 use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
 
 use super::kernels::GatheredChunks;
-use super::memory::{download, upload, zeros};
+use super::memory::{download, download_into, upload, zeros};
 use super::{CudaBackend, cuda};
 use crate::forward::{FfnExecutor, Model, check_tokens};
 use crate::model::{Down, ModelConfig, QRows};
@@ -259,7 +259,9 @@ pub struct CudaSession {
     h: DeviceBuffer<f32>,           // (n_ff)
     logits: DeviceBuffer<f32>,      // (vocab)
     best: DeviceBuffer<u32>,        // (1)
-    host_x: Vec<f32>,               // (d_model)
+    host_x: Vec<f32>,               // (d_model) embedding out, residual back (streaming)
+    host_xn: Vec<f32>,              // (d_model) FFN input back (streaming)
+    host_out: Vec<f32>,             // (d_model) FFN output out (streaming)
     host_logits: Vec<f32>,          // (vocab)
 }
 
@@ -297,6 +299,8 @@ impl CudaSession {
             logits: zeros("logits", c.vocab_size)?,
             best: zeros("argmax", 1)?,
             host_x: vec![0.0; c.d_model],
+            host_xn: vec![0.0; c.d_model],
+            host_out: vec![0.0; c.d_model],
             host_logits: vec![0.0; c.vocab_size],
             max_context,
             pos: 0,
@@ -309,8 +313,9 @@ impl CudaSession {
         &self.model
     }
 
-    /// Bytes of device memory this session holds (KV cache and scratch).
-    pub fn device_bytes(&self) -> usize {
+    /// Bytes of device memory this session holds itself (KV cache and scratch; the model's
+    /// weights are [`CudaModel::device_bytes`]).
+    pub fn own_device_bytes(&self) -> usize {
         let c = &self.model.host.weights.config;
         4 * (2 * c.n_layers * self.max_context * c.kv_dim()
             + 3 * c.d_model
@@ -403,8 +408,8 @@ impl CudaSession {
         for (l, layer) in model.layers.iter().enumerate() {
             if let Some(e) = exec.as_deref_mut() {
                 gpu.sync()?;
-                let x = download(&self.x, d)?;
-                e.begin_layer(l, &x);
+                download_into(&self.x, &mut self.host_x)?;
+                e.begin_layer(l, &self.host_x);
             }
             // Attention: norm, projections (K and V straight into the cache), RoPE, attend.
             gpu.rmsnorm_on(
@@ -466,11 +471,10 @@ impl CudaSession {
             match exec.as_deref_mut() {
                 Some(e) => {
                     gpu.sync()?;
-                    let xn = download(&self.xn, d)?;
-                    let mut out = vec![0.0; d];
-                    e.ffn(l, &w.layers[l], &xn, &mut out)?;
+                    download_into(&self.xn, &mut self.host_xn)?;
+                    e.ffn(l, &w.layers[l], &self.host_xn, &mut self.host_out)?;
                     self.proj
-                        .copy_from(&out[..])
+                        .copy_from(&self.host_out[..])
                         .map_err(cuda("copying the FFN output"))?;
                 }
                 None => {
@@ -552,6 +556,6 @@ impl crate::generate::Decode for CudaSession {
         CudaSession::reset(self)
     }
     fn device_bytes(&self) -> Option<u64> {
-        Some((self.model.device_bytes() + CudaSession::device_bytes(self)) as u64)
+        Some((self.model.device_bytes() + self.own_device_bytes()) as u64)
     }
 }
