@@ -184,11 +184,7 @@ pub fn write_calibrated(
         for (t, e) in tensors.iter().zip(&mut cal.tensors) {
             (e.offset, e.len) = out.write_tensor(start, &t.bytes, &mut crc)?;
         }
-        cal.section = Some(Section {
-            offset: start,
-            len: out.pos - start,
-            crc32: crc.finalize(),
-        });
+        cal.section = Some(out.section_since(start, crc));
 
         let json = serde_json::to_vec(&header).map_err(json_err)?;
         assert!(json.len() <= reserve, "header outgrew its reservation");

@@ -117,6 +117,15 @@ impl Out {
         Ok((at - section_start, bytes.len() as u64))
     }
 
+    /// The section that started at `start` and ends here, with the CRC of what was written.
+    pub(super) fn section_since(&self, start: u64, crc: crc32fast::Hasher) -> Section {
+        Section {
+            offset: start,
+            len: self.pos - start,
+            crc32: crc.finalize(),
+        }
+    }
+
     pub(super) fn pad_to(&mut self, at: u64) -> Result<()> {
         const ZEROS: [u8; ALIGN] = [0; ALIGN];
         while self.pos < at {
@@ -234,11 +243,7 @@ pub fn convert(
         for (entry, (_, t)) in header.tensors.iter_mut().zip(&resident) {
             (entry.offset, entry.len) = out.write_tensor(res_start, &t.data, &mut crc)?;
         }
-        header.resident = Section {
-            offset: res_start,
-            len: out.pos - res_start,
-            crc32: crc.finalize(),
-        };
+        header.resident = out.section_since(res_start, crc);
 
         // Streamed section: per layer, chunks of neuron bundles.
         out.pad_to(align_up(out.pos))?;
@@ -269,11 +274,7 @@ pub fn convert(
             }
             progress(l + 1, c.n_layers);
         }
-        header.streamed = Section {
-            offset: str_start,
-            len: out.pos - str_start,
-            crc32: section_crc.finalize(),
-        };
+        header.streamed = out.section_since(str_start, section_crc);
         header.ffn.down_error = err.finish();
 
         // Header and preamble, into the reserved gap.

@@ -445,11 +445,7 @@ pub fn synthesize(
             done += bytes.len() as u64;
             progress(done, total);
         }
-        header.resident = Section {
-            offset: res_start,
-            len: out.pos - res_start,
-            crc32: crc.finalize(),
-        };
+        header.resident = out.section_since(res_start, crc);
 
         out.pad_to(align_up(out.pos))?;
         let str_start = out.pos;
@@ -548,11 +544,7 @@ pub fn synthesize(
             done += buf.len() as u64;
             progress(done, total);
         }
-        header.streamed = Section {
-            offset: str_start,
-            len: out.pos - str_start,
-            crc32: section_crc.finalize(),
-        };
+        header.streamed = out.section_since(str_start, section_crc);
 
         out.pad_to(align_up(out.pos))?;
         let cal_start = out.pos;
@@ -565,11 +557,7 @@ pub fn synthesize(
             assert_eq!(t.name, e.name, "calibration tensors in directory order");
             (e.offset, e.len) = out.write_tensor(cal_start, &t.bytes, &mut crc)?;
         }
-        meta.section = Some(Section {
-            offset: cal_start,
-            len: out.pos - cal_start,
-            crc32: crc.finalize(),
-        });
+        meta.section = Some(out.section_since(cal_start, crc));
         meta.thresholds = thresholds;
         let p = &mut meta.predictors[0];
         p.cutoffs = cutoffs;
