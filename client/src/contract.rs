@@ -21,6 +21,13 @@ pub const SESSION_INTERFACE: &str = "io.github.leanstream.LeanStream1.Session";
 /// Prefix of every error name.
 pub const ERROR_PREFIX: &str = "io.github.leanstream.LeanStream1.Error";
 
+/// The daemon's fixed process overhead F: its resident memory (`VmRSS`) stays within
+/// `[memory] budget + PROCESS_OVERHEAD_BYTES` at every moment. F covers the binary and its
+/// libraries, the async runtime and thread stacks, the bus connection and one incoming message
+/// of up to 1 MiB (the `max_message_size` of the buses the project's scripts start; a bus that
+/// passes larger messages adds their size to F). Measured on an idle daemon, see the README.
+pub const PROCESS_OVERHEAD_BYTES: u64 = 24 << 20;
+
 /// Errors the daemon returns, named `io.github.leanstream.LeanStream1.Error.<Variant>`, each with
 /// a human-readable message.
 #[derive(Debug, zbus::DBusError)]
@@ -114,8 +121,14 @@ pub struct ModelMemory {
     /// Weights and tables kept for the model's lifetime (in a streaming mode: the file less its
     /// streamed FFN section).
     pub resident_bytes: u64,
-    /// The neuron cache the FFN weights stream through (0 in `dense` and `mmap` mode).
+    /// The neuron cache the FFN weights stream through now (0 in `dense` and `mmap` mode).
+    /// It shrinks toward its floor to make room for sessions and other models, and grows back
+    /// toward its wanted size when memory frees.
     pub cache_bytes: u64,
+    /// The smallest cache the model can run with (one layer's chunks).
+    pub cache_floor_bytes: u64,
+    /// The cache the configuration asks for (`cache_share` of the streamed FFN bytes).
+    pub cache_wanted_bytes: u64,
     /// How the model runs: `dense`, `mmap`, `on-demand`, `prefetch` or `leanstream`.
     pub mode: String,
 }
@@ -142,7 +155,11 @@ pub struct ClientMemory {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct MemoryReport {
     pub budget_bytes: u64,
+    /// What the models, caches and sessions hold, as the engine reports it; `<= budget_bytes`.
     pub used_bytes: u64,
+    /// The daemon process's resident memory (VmRSS) when the report was made; it stays within
+    /// the budget plus the documented fixed overhead.
+    pub rss_bytes: u64,
     pub models: Vec<ModelMemory>,
     pub sessions: Vec<SessionMemory>,
     pub clients: Vec<ClientMemory>,

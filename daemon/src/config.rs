@@ -14,6 +14,8 @@ use leanstream_engine::backend::select::{BackendChoice, cuda_available};
 use leanstream_engine::pipeline::Mode;
 use serde::Deserialize;
 
+use crate::arbiter::Priority;
+
 /// The default configuration file.
 pub const DEFAULT_CONFIG: &str = "/etc/leanstream/leanstreamd.toml";
 
@@ -115,6 +117,7 @@ pub struct RawModels {
 #[serde(deny_unknown_fields)]
 pub struct RawModel {
     pub mode: Option<String>,
+    pub priority: Option<String>,
     pub sparsity: Option<f64>,
     pub cache_share: Option<f64>,
 }
@@ -129,6 +132,7 @@ pub struct RawMemory {
 #[serde(deny_unknown_fields)]
 pub struct RawEngine {
     pub sparsity: Option<f64>,
+    pub priority: Option<String>,
     pub mode: Option<String>,
     pub cache_share: Option<f64>,
     pub io_threads: Option<usize>,
@@ -141,6 +145,8 @@ pub struct RawEngine {
 #[serde(deny_unknown_fields)]
 pub struct RawLimits {
     pub max_sessions: Option<usize>,
+    pub max_sessions_per_client: Option<usize>,
+    pub max_pins_per_client: Option<usize>,
     pub max_context: Option<usize>,
     pub max_tokens: Option<usize>,
     pub max_prompt_bytes: Option<usize>,
@@ -164,6 +170,9 @@ pub struct ModelParams {
     /// The neuron cache's size as a share of the model's streamed FFN bytes, in (0, 1].
     /// Cache-backed modes (`on-demand`, `prefetch`, `leanstream`) only. Default 0.25.
     pub cache_share: f64,
+    /// Which neuron caches yield memory first: a model's cache is served after those of
+    /// higher-priority models (`background` < `normal` < `interactive`). Default `normal`.
+    pub priority: Priority,
     /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
     /// `engine.sparsity`, …).
     pub mode_key: String,
@@ -193,6 +202,10 @@ pub struct Params {
     pub precision: Precision,
     /// Most open sessions over all clients. Default 16.
     pub max_sessions: usize,
+    /// Most sessions one client (bus connection) may have open or opening. Default 4.
+    pub max_sessions_per_client: usize,
+    /// Most models one client may pin with `LoadModel` while it is connected. Default 2.
+    pub max_pins_per_client: usize,
     /// Largest context a session may ask for, in tokens; also the default. Default 2048.
     pub max_context: usize,
     /// Most tokens one request may generate; also the default. Default 512.
@@ -243,6 +256,8 @@ impl Params {
             sparsity: check_sparsity("engine.sparsity", e.sparsity)?,
             cache_share: check_cache_share("engine.cache_share", e.cache_share)?
                 .unwrap_or(DEFAULT_CACHE_SHARE),
+            priority: parse_priority("engine.priority", e.priority.as_deref())?
+                .unwrap_or_default(),
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
             cache_share_key: "engine.cache_share".into(),
@@ -319,6 +334,18 @@ impl Params {
             backend,
             precision,
             max_sessions: positive("limits.max_sessions", l.max_sessions, 16, 4096)?,
+            max_sessions_per_client: positive(
+                "limits.max_sessions_per_client",
+                l.max_sessions_per_client,
+                4,
+                4096,
+            )?,
+            max_pins_per_client: positive(
+                "limits.max_pins_per_client",
+                l.max_pins_per_client,
+                2,
+                4096,
+            )?,
             max_context: positive("limits.max_context", l.max_context, 2048, 1 << 20)?,
             max_tokens: positive("limits.max_tokens", l.max_tokens, 512, 1 << 20)?,
             max_prompt_bytes: positive(
@@ -345,6 +372,20 @@ fn parse_mode(key: &str, value: Option<&str>) -> Result<Option<Mode>, ConfigErro
                     format!("`{m}` is not one of dense, mmap, on-demand, prefetch, leanstream"),
                 )
             })
+        })
+        .transpose()
+}
+
+fn parse_priority(key: &str, value: Option<&str>) -> Result<Option<Priority>, ConfigError> {
+    value
+        .map(|p| match p {
+            "background" => Ok(Priority::Background),
+            "normal" => Ok(Priority::Normal),
+            "interactive" => Ok(Priority::Interactive),
+            other => Err(bad(
+                key,
+                format!("`{other}` is not one of background, normal, interactive"),
+            )),
         })
         .transpose()
 }
@@ -396,6 +437,7 @@ fn model_params(
     let mode = parse_mode(&key("mode"), m.mode.as_deref())?;
     let sparsity = check_sparsity(&key("sparsity"), m.sparsity)?;
     let cache_share = check_cache_share(&key("cache_share"), m.cache_share)?;
+    let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
     let effective = mode.unwrap_or(engine.mode);
     if sparsity.is_some() && effective == Mode::Dense {
         return Err(bad(
@@ -431,6 +473,7 @@ fn model_params(
         },
         sparsity: sparsity.or(engine.sparsity),
         cache_share: cache_share.unwrap_or(engine.cache_share),
+        priority: priority.unwrap_or(engine.priority),
     })
 }
 
@@ -482,6 +525,9 @@ mod tests {
             ("[engine]\nsparsity = 1.5", "engine.sparsity"),
             ("[engine]\nprecision = \"sloppy\"", "engine.precision"),
             ("[limits]\nmax_sessions = 0", "limits.max_sessions"),
+            ("[limits]\nmax_sessions_per_client = 0", "limits.max_sessions_per_client"),
+            ("[engine]\npriority = \"urgent\"", "engine.priority"),
+            ("[models.m]\npriority = \"low\"", "models.m.priority"),
             ("[limits]\nmax_sesions = 4", "max_sesions"),
         ];
         for (body, key) in cases {

@@ -19,7 +19,7 @@ use crate::config::Params;
 use crate::engine::Engine;
 use crate::memory;
 use crate::service::Manager;
-use crate::state::{Request, State};
+use crate::state::{Budget, Request, State};
 
 /// Depth of the request channel between the D-Bus objects and the state owner.
 const REQUEST_QUEUE: usize = 64;
@@ -97,8 +97,9 @@ pub async fn run(
         params.io_threads,
     );
     let (events_tx, events_rx) = mpsc::unbounded_channel();
-    let engine = Engine::start(events_tx).context("starting the engine thread")?;
     let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
+    let engine = Engine::start(events_tx, Box::new(Budget(tx.clone())))
+        .context("starting the engine thread")?;
     let manager = Manager {
         tx: tx.clone(),
         params: Arc::clone(&params),

@@ -83,6 +83,16 @@ pub enum EngineEvent {
         generated: u64,
         position: u32,
     },
+    /// A closed session has been dropped: its memory is handed back.
+    Dropped { id: SessionId },
+}
+
+/// Where the scheduler reserves memory before a session's KV cache grows: the state owner, which
+/// asks the arbiter (shrinking neuron caches first when needed). Blocking: the scheduler waits
+/// for the answer before it allocates.
+pub trait SessionBudget: Send {
+    /// Sets session `id`'s reservation to `bytes`; `OverBudget` when that does not fit.
+    fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError>;
 }
 
 /// Handle of the scheduler thread.
@@ -96,6 +106,7 @@ impl Engine {
     /// Starts the scheduler thread and waits until it is up (the ready handshake).
     pub fn start(
         events: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+        budget: Box<dyn SessionBudget>,
     ) -> std::io::Result<Engine> {
         let (tx, rx) = std::sync::mpsc::channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -106,6 +117,7 @@ impl Engine {
                 Scheduler {
                     rx,
                     events,
+                    budget,
                     sessions: BTreeMap::new(),
                 }
                 .run();
@@ -191,6 +203,7 @@ struct EngineSession {
 struct Scheduler {
     rx: Receiver<EngineCmd>,
     events: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    budget: Box<dyn SessionBudget>,
     sessions: BTreeMap<SessionId, EngineSession>,
 }
 
@@ -275,10 +288,13 @@ impl Scheduler {
                 );
             }
             EngineCmd::Close { id } => {
-                if let Some(mut s) = self.sessions.remove(&id)
-                    && s.generation.take().is_some()
-                {
-                    self.finished(id, true, 0, 0);
+                if let Some(mut s) = self.sessions.remove(&id) {
+                    if s.generation.take().is_some() {
+                        self.finished(id, true, 0, 0);
+                    }
+                    drop(s);
+                    crate::alloc::trim();
+                    let _ = self.events.send(EngineEvent::Dropped { id });
                 }
             }
             EngineCmd::Cancel { id } => {
@@ -403,8 +419,12 @@ impl Scheduler {
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
         };
+        let room = Room {
+            id,
+            budget: self.budget.as_ref(),
+        };
         let outcome = match &mut s.generation {
-            Some(g) => advance(s.model.as_ref(), s.session.as_mut(), &mut s.seen, g),
+            Some(g) => advance(s.model.as_ref(), s.session.as_mut(), &mut s.seen, g, &room),
             None => return,
         };
         if let Step::Over = outcome
@@ -522,6 +542,7 @@ fn advance(
     session: &mut dyn Decode,
     seen: &mut Vec<u32>,
     g: &mut Generation,
+    room: &Room<'_>,
 ) -> Step {
     match flush(g) {
         Err(_) => return Step::Over, // the reader closed its end: cancelled
@@ -529,9 +550,13 @@ fn advance(
         Ok(false) if g.phase == Phase::Ending => return Step::Over,
         Ok(false) => {}
     }
-    match compute(model, session, seen, g) {
+    match compute(model, session, seen, g, room) {
         Ok(()) => {}
-        Err(e) => {
+        Err(Failure::Budget(e)) => {
+            tracing::info!("session {}: generation ended: {e}", room.id);
+            end_with_error(g, "OverBudget", &e.to_string());
+        }
+        Err(Failure::Engine(e)) => {
             tracing::error!("generation failed: {e}");
             end_with_error(g, "Internal", &e.to_string());
         }
@@ -544,13 +569,49 @@ fn advance(
     }
 }
 
-/// One forward pass of `session`, through the model's sparse FFN pipeline when it has one.
+/// Why a step failed: the budget refused the KV cache's growth, or the engine failed.
+enum Failure {
+    Budget(LeanStreamError),
+    Engine(leanstream_engine::Error),
+}
+
+impl From<leanstream_engine::Error> for Failure {
+    fn from(e: leanstream_engine::Error) -> Failure {
+        Failure::Engine(e)
+    }
+}
+
+/// A session's way to the budget.
+struct Room<'a> {
+    id: SessionId,
+    budget: &'a dyn SessionBudget,
+}
+
+impl Room<'_> {
+    /// Makes room in the KV cache for one more token: reserves the block it needs first, then
+    /// allocates it. Nothing is allocated when the reservation is refused.
+    fn grow(&self, session: &mut dyn Decode) -> Result<(), Failure> {
+        let extra = session.kv_growth_bytes(1);
+        if extra == 0 {
+            return Ok(());
+        }
+        self.budget
+            .resize(self.id, session.bytes() + extra)
+            .map_err(Failure::Budget)?;
+        Ok(session.grow_kv(1)?)
+    }
+}
+
+/// One forward pass of `session`, through the model's sparse FFN pipeline when it has one,
+/// after making room for the token in its KV cache.
 fn forward<'s>(
     model: &LoadedModel,
     session: &'s mut dyn Decode,
     token: u32,
-) -> leanstream_engine::Result<&'s mut [f32]> {
-    match &model.ffn {
+    room: &Room<'_>,
+) -> Result<&'s mut [f32], Failure> {
+    room.grow(session)?;
+    Ok(match &model.ffn {
         // A panic while the scheduler held the lock would have ended this thread, so a poisoned
         // lock cannot be seen here; take it anyway rather than add a panic path.
         Some(ffn) => session.forward_with(
@@ -558,9 +619,9 @@ fn forward<'s>(
             &mut *ffn
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
-        ),
-        None => session.forward(token),
-    }
+        )?,
+        None => session.forward(token)?,
+    })
 }
 
 fn compute(
@@ -568,11 +629,12 @@ fn compute(
     session: &mut dyn Decode,
     seen: &mut Vec<u32>,
     g: &mut Generation,
-) -> leanstream_engine::Result<()> {
+    room: &Room<'_>,
+) -> Result<(), Failure> {
     match g.phase {
         Phase::Prefill { fed } => {
             let token = g.prompt[fed];
-            let logits = forward(model, session, token)?;
+            let logits = forward(model, session, token, room)?;
             seen.push(token);
             if fed + 1 < g.prompt.len() {
                 g.phase = Phase::Prefill { fed: fed + 1 };
@@ -605,7 +667,7 @@ fn compute(
             } else if session.position() >= session.max_context() {
                 end_done(g, "context_full");
             } else {
-                let logits = forward(model, session, next)?;
+                let logits = forward(model, session, next, room)?;
                 seen.push(next);
                 let sampled = g.sampler.sample(logits, &g.history);
                 g.phase = Phase::Decode { next: sampled };
@@ -637,6 +699,22 @@ mod tests {
     const PROMPT: &str = "the cat sat on the";
     const TOKENS: usize = 12;
 
+    /// A budget that grants every reservation up to `limit` bytes per session.
+    struct Limit(u64);
+
+    impl SessionBudget for Limit {
+        fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
+            if bytes <= self.0 {
+                Ok(())
+            } else {
+                Err(LeanStreamError::OverBudget(format!(
+                    "session {id} needs {bytes} bytes, over {}",
+                    self.0
+                )))
+            }
+        }
+    }
+
     fn load(fx: &Fixture, file: &ModelFile, toml: &str) -> LoadedModel {
         let params = fx.params(toml);
         let fp = Footprint::of(file, params.model(&file.name)).unwrap();
@@ -647,7 +725,7 @@ mod tests {
     /// each stream's events.
     fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
         let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = Engine::start(events).unwrap();
+        let engine = Engine::start(events, Box::new(Limit(u64::MAX))).unwrap();
         let mut readers = Vec::new();
         for (i, (model, prompt)) in runs.iter().enumerate() {
             let id = i as SessionId + 1;

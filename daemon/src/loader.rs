@@ -50,8 +50,12 @@ impl LoadError {
 pub struct Footprint {
     /// Weights and tables kept for the model's lifetime.
     pub resident_bytes: u64,
-    /// The neuron cache's arena (0 without one).
+    /// The neuron cache the configuration asks for (0 without one); the arbiter grants it
+    /// between `cache_floor_bytes` and this as memory allows.
     pub cache_bytes: u64,
+    /// The smallest neuron cache the model runs with (0 without one); it is what the model is
+    /// loaded with, and the cache grows from there.
+    pub cache_floor_bytes: u64,
 }
 
 impl Footprint {
@@ -83,6 +87,7 @@ impl Footprint {
         let whole = Footprint {
             resident_bytes: file.bytes,
             cache_bytes: 0,
+            cache_floor_bytes: 0,
         };
         if p.mode == Mode::Dense {
             return Ok(whole);
@@ -103,9 +108,12 @@ impl Footprint {
         let layout = ChunkLayout::from_header(&file.path, &lsm.header).map_err(failed)?;
         let total = layout.total_chunks();
         let chunks = ((p.cache_share * total as f64).floor() as usize).min(total);
+        let wanted = (chunks * layout.chunk_bytes) as u64;
         Ok(Footprint {
             resident_bytes: file.bytes.saturating_sub(lsm.header.streamed.len),
-            cache_bytes: (chunks * layout.chunk_bytes) as u64,
+            cache_bytes: wanted,
+            // A wanted size below the floor is refused at load with the key to raise.
+            cache_floor_bytes: (layout.floor_bytes() as u64).min(wanted),
         })
     }
 }
@@ -129,6 +137,25 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// Resizes the neuron cache to `bytes` (rounded down to whole chunks by the engine) and
+    /// returns the size it holds now; `None` for a model without a cache. Blocks while the
+    /// scheduler runs a forward pass of this model (the executor is locked for one pass).
+    pub fn resize_cache(&self, bytes: u64) -> Option<leanstream_engine::Result<u64>> {
+        let ffn = self.ffn.as_ref()?;
+        let mut exec = ffn.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if exec.cache_bytes() as u64 == bytes {
+            return Some(Ok(bytes));
+        }
+        Some(exec.resize_cache(bytes as usize).map(|held| held as u64))
+    }
+
+    /// The neuron cache's size now; `None` for a model without a cache.
+    pub fn cache_held(&self) -> Option<u64> {
+        let ffn = self.ffn.as_ref()?;
+        let exec = ffn.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(exec.cache_bytes() as u64)
+    }
+
     /// A new conversation on this model, on the backend it was loaded for.
     pub fn open_session(
         &self,
@@ -147,8 +174,9 @@ impl LoadedModel {
         )?))
     }
 
-    /// Loads `file` as `params` say for its model, with a neuron cache of `cache_bytes` (from
-    /// its [`Footprint`], already reserved). Blocking: call on a loader thread.
+    /// Loads `file` as `params` say for its model, with a neuron cache of `cache_bytes` (its
+    /// [`Footprint`]'s floor, already reserved; the state owner grows it afterwards). Blocking:
+    /// call on a loader thread.
     ///
     /// Sparse modes refuse: a file without calibration unless sparsity is off (the engine's
     /// message names `leanstream calibrate`); a configured sparsity other than the file's

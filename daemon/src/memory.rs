@@ -1,14 +1,16 @@
 //! What the state owner needs from memory accounting, and its implementation by the
-//! [`Arbiter`] (DESIGN §7): models reserve their resident bytes and their neuron cache, sessions
-//! their KV cache and scratch; a reservation that does not fit is refused and changes nothing. Invariant:
-//! `used <= budget` after every call (checked by the arbiter's property tests).
+//! [`Arbiter`]: models reserve their resident bytes and the floor of their neuron cache (the
+//! cache then grows toward its wanted size as memory allows, and yields it back), sessions their
+//! scratch and the KV blocks they have grown; a reservation that does not fit is refused and
+//! changes nothing. Invariant: `used <= budget` after every call (checked by the arbiter's
+//! property tests). The bytes themselves come from the engine (each model, cache and session
+//! reports what it holds); this layer only adds them up.
 //!
 //! The session limit is enforced by the state owner (it answers `Busy`), so the arbiter is
 //! created without one.
 
-use crate::arbiter::{
-    Arbiter, ArbiterConfig, ArbiterError, Priority, SessionId as ArbiterSessionId,
-};
+pub use crate::arbiter::Priority;
+use crate::arbiter::{Arbiter, ArbiterConfig, ArbiterError, SessionId as ArbiterSessionId};
 
 /// Identifies a session (its number in the object path).
 pub type SessionId = u64;
@@ -28,33 +30,51 @@ pub struct OverBudget {
 pub struct Figures {
     pub budget: u64,
     pub used: u64,
-    /// (model, resident bytes, cache bytes).
-    pub models: Vec<(String, u64, u64)>,
+    pub models: Vec<ModelFigures>,
     /// (session, model, client, bytes).
     pub sessions: Vec<(SessionId, String, String, u64)>,
 }
 
+/// One model's figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ModelFigures {
+    pub name: String,
+    pub resident: u64,
+    /// The neuron cache granted now, its floor and its wanted size (all 0 without a cache).
+    pub cache: u64,
+    pub cache_floor: u64,
+    pub cache_wanted: u64,
+}
+
 /// What the state owner needs from the memory arbiter.
 pub trait Memory {
-    /// Reserves a model's resident bytes and its neuron cache (0 without one); loading an
+    /// Reserves a model's resident bytes and the floor of its neuron cache; the cache is then
+    /// granted up to `cache_wanted` as memory allows (all 0 without a cache). Loading an
     /// accounted model again is a no-op.
     fn load_model(
         &mut self,
         name: &str,
         resident_bytes: u64,
-        cache_bytes: u64,
+        cache_floor: u64,
+        cache_wanted: u64,
     ) -> Result<(), OverBudget>;
     /// Releases a model; its sessions must be closed first.
     fn unload_model(&mut self, name: &str);
-    /// Reserves a session's KV cache and buffers (its minimum) on an accounted model.
+    /// Reserves what a new session holds at open on an accounted model; `priority` orders the
+    /// neuron caches (its model's cache yields after lower-priority ones).
     fn open_session(
         &mut self,
         id: SessionId,
         model: &str,
         client: &str,
         bytes: u64,
+        priority: Priority,
     ) -> Result<(), OverBudget>;
+    /// Sets an open session's reservation to `bytes` (its KV cache grew or was released).
+    fn resize_session(&mut self, id: SessionId, bytes: u64) -> Result<(), OverBudget>;
     fn close_session(&mut self, id: SessionId);
+    /// The neuron cache granted to a model now.
+    fn cache_bytes(&self, model: &str) -> Option<u64>;
     /// Closes every session of `client`; returns their ids.
     fn client_gone(&mut self, client: &str) -> Vec<SessionId>;
     fn report(&self) -> Figures;
@@ -65,14 +85,13 @@ impl Memory for Arbiter {
         &mut self,
         name: &str,
         resident_bytes: u64,
-        cache_bytes: u64,
+        cache_floor: u64,
+        cache_wanted: u64,
     ) -> Result<(), OverBudget> {
         if self.is_loaded(name) {
             return Ok(());
         }
-        // The engine's neuron cache has a fixed size, allocated at load: it is the cache's
-        // minimum and its wish at once, so it is a hard reservation that never shrinks.
-        Arbiter::load_model(self, name, resident_bytes, cache_bytes, cache_bytes)
+        Arbiter::load_model(self, name, resident_bytes, cache_floor, cache_wanted)
             .map_err(over_budget)
     }
 
@@ -88,16 +107,18 @@ impl Memory for Arbiter {
         model: &str,
         client: &str,
         bytes: u64,
+        priority: Priority,
     ) -> Result<(), OverBudget> {
-        Arbiter::open_session(
-            self,
-            ArbiterSessionId(id),
-            model,
-            client,
-            bytes,
-            Priority::Normal,
-        )
-        .map_err(over_budget)
+        Arbiter::open_session(self, ArbiterSessionId(id), model, client, bytes, priority)
+            .map_err(over_budget)
+    }
+
+    fn resize_session(&mut self, id: SessionId, bytes: u64) -> Result<(), OverBudget> {
+        Arbiter::resize_session(self, ArbiterSessionId(id), bytes).map_err(over_budget)
+    }
+
+    fn cache_bytes(&self, model: &str) -> Option<u64> {
+        Arbiter::cache_bytes(self, model)
     }
 
     fn close_session(&mut self, id: SessionId) {
@@ -120,7 +141,13 @@ impl Memory for Arbiter {
             models: r
                 .models
                 .into_iter()
-                .map(|m| (m.name, m.resident_bytes, m.cache_bytes))
+                .map(|m| ModelFigures {
+                    name: m.name,
+                    resident: m.resident_bytes,
+                    cache: m.cache_bytes,
+                    cache_floor: m.min_cache_bytes,
+                    cache_wanted: m.wanted_cache_bytes,
+                })
                 .collect(),
             sessions: r
                 .sessions
@@ -167,21 +194,48 @@ mod tests {
     fn reservations_that_do_not_fit_change_nothing() {
         let mut a = arbiter(100);
         let m: &mut dyn Memory = &mut a;
-        m.load_model("a", 50, 10).unwrap();
-        assert_eq!(m.report().models, [("a".to_string(), 50, 10)]);
-        let err = m.load_model("b", 40, 10).unwrap_err();
+        m.load_model("a", 50, 10, 10).unwrap();
+        let a = ModelFigures {
+            name: "a".into(),
+            resident: 50,
+            cache: 10,
+            cache_floor: 10,
+            cache_wanted: 10,
+        };
+        assert_eq!(m.report().models, [a]);
+        let err = m.load_model("b", 40, 10, 10).unwrap_err();
         assert_eq!((err.needed, err.free), (50, 40));
-        m.open_session(1, "a", ":1.1", 30).unwrap();
+        m.open_session(1, "a", ":1.1", 30, Priority::Normal).unwrap();
         let before = m.report();
-        let err = m.open_session(2, "a", ":1.2", 11).unwrap_err();
+        let err = m.open_session(2, "a", ":1.2", 11, Priority::Normal).unwrap_err();
         assert_eq!((err.needed, err.free), (11, 10));
         assert_eq!(m.report(), before);
-        m.open_session(3, "a", ":1.2", 10).unwrap();
+        m.open_session(3, "a", ":1.2", 10, Priority::Normal).unwrap();
         assert_eq!(m.report().used, 100);
+        let err = m.resize_session(3, 11).unwrap_err();
+        assert_eq!((err.needed, err.free), (1, 0));
+        assert_eq!(m.report().used, 100);
+        m.resize_session(3, 4).unwrap();
+        assert_eq!(m.report().used, 94);
         assert_eq!(m.client_gone(":1.2"), [3]);
         assert_eq!(m.client_gone(":1.2"), Vec::<SessionId>::new());
         m.close_session(1);
         m.unload_model("a");
         assert_eq!(m.report().used, 0);
+    }
+
+    #[test]
+    fn an_elastic_cache_yields_to_a_session_and_grows_back() {
+        let mut a = arbiter(100);
+        let m: &mut dyn Memory = &mut a;
+        m.load_model("a", 20, 10, 70).unwrap();
+        assert_eq!(m.cache_bytes("a"), Some(70));
+        m.open_session(1, "a", ":1.1", 30, Priority::Normal).unwrap();
+        assert_eq!(m.cache_bytes("a"), Some(50));
+        m.resize_session(1, 70).unwrap();
+        assert_eq!(m.cache_bytes("a"), Some(10), "shrunk to its floor");
+        assert!(m.resize_session(1, 71).is_err(), "nothing below the floor");
+        m.close_session(1);
+        assert_eq!(m.cache_bytes("a"), Some(70));
     }
 }

@@ -124,9 +124,19 @@ impl Manager {
         ask(&self.tx, |reply| Request::ListModels { reply }).await
     }
 
-    async fn load_model(&self, name: &str) -> Result<(), LeanStreamError> {
+    async fn load_model(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        name: &str,
+    ) -> Result<(), LeanStreamError> {
+        let client = caller(&header)?;
         let file = resolve(&self.params, name).await?;
-        ask(&self.tx, |reply| Request::LoadModel { file, reply }).await
+        ask(&self.tx, |reply| Request::LoadModel {
+            file,
+            client,
+            reply,
+        })
+        .await
     }
 
     async fn unload_model(&self, name: &str) -> Result<(), LeanStreamError> {

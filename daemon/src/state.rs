@@ -35,6 +35,7 @@ pub enum Request {
     },
     LoadModel {
         file: ModelFile,
+        client: String,
         reply: Reply<()>,
     },
     UnloadModel {
@@ -82,6 +83,16 @@ pub enum Request {
         footprint: Footprint,
         reply: oneshot::Sender<Result<(), LoadError>>,
     },
+    /// Internal, from the scheduler thread: session `id` needs its reservation set to `bytes`
+    /// before it allocates more KV blocks. Neuron caches have shrunk by the time the reply is
+    /// `Ok`.
+    ResizeSession {
+        id: SessionId,
+        bytes: u64,
+        reply: oneshot::Sender<Result<(), LeanStreamError>>,
+    },
+    /// Internal: a released model's memory has been handed back; caches may grow into it.
+    Released,
     /// Internal: a model load finished.
     Loaded {
         name: String,
@@ -106,9 +117,27 @@ pub async fn ask<T>(
         .map_err(|_| LeanStreamError::Internal("the daemon is shutting down".into()))?
 }
 
+/// The scheduler's way to the arbiter: a blocking round trip to the state owner.
+#[derive(Debug)]
+pub struct Budget(pub mpsc::Sender<Request>);
+
+impl crate::engine::SessionBudget for Budget {
+    fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
+        let (reply, rx) = oneshot::channel();
+        let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
+        self.0
+            .blocking_send(Request::ResizeSession { id, bytes, reply })
+            .map_err(|_| gone())?;
+        rx.blocking_recv().map_err(|_| gone())?
+    }
+}
+
 #[derive(Debug)]
 enum Waiter {
-    Load(Reply<()>),
+    Load {
+        client: String,
+        reply: Reply<()>,
+    },
     Open {
         context: u32,
         client: String,
@@ -142,6 +171,15 @@ struct SessionEntry {
     generated_tokens: u64,
 }
 
+/// A client (unique bus name) the state owner has seen on the bus, from its first session or
+/// pin until it leaves. Its sessions are in the session table; this records the rest.
+#[derive(Debug, Default)]
+struct ClientEntry {
+    /// Models this client pinned with `LoadModel` (a pin outlives the client; only the count
+    /// against [`Params::max_pins_per_client`] ends with it).
+    pins: std::collections::BTreeSet<String>,
+}
+
 /// The state owner.
 pub struct State<M> {
     params: Arc<Params>,
@@ -151,6 +189,10 @@ pub struct State<M> {
     engine: std::sync::mpsc::Sender<EngineCmd>,
     models: BTreeMap<String, ModelEntry>,
     sessions: BTreeMap<SessionId, SessionEntry>,
+    /// Clients known to be on the bus (see [`State::admit_client`]).
+    clients: BTreeMap<String, ClientEntry>,
+    /// The bus driver, to ask whether a client is still connected.
+    bus: Option<zbus::fdo::DBusProxy<'static>>,
     next_id: SessionId,
 }
 
@@ -210,6 +252,8 @@ impl<M: Memory> State<M> {
             engine,
             models: BTreeMap::new(),
             sessions: BTreeMap::new(),
+            clients: BTreeMap::new(),
+            bus: None,
             next_id: 1,
         }
     }
@@ -220,6 +264,10 @@ impl<M: Memory> State<M> {
         mut rx: mpsc::Receiver<Request>,
         mut events: mpsc::UnboundedReceiver<EngineEvent>,
     ) {
+        match zbus::fdo::DBusProxy::new(&self.conn).await {
+            Ok(p) => self.bus = Some(p),
+            Err(e) => tracing::error!("no bus driver proxy, clients cannot be checked: {e}"),
+        }
         loop {
             // Engine events first: the engine reports a generation's end before the caller can
             // see it (EOF or an error reply), so a caller's next request never finds the session
@@ -256,12 +304,16 @@ impl<M: Memory> State<M> {
     }
 
     fn engine_event(&mut self, ev: EngineEvent) {
-        let EngineEvent::Finished {
-            id,
-            accepted,
-            generated,
-            position,
-        } = ev;
+        let (id, accepted, generated, position) = match ev {
+            EngineEvent::Finished {
+                id,
+                accepted,
+                generated,
+                position,
+            } => (id, accepted, generated, position),
+            // A closed session's memory is free now: caches may grow into it.
+            EngineEvent::Dropped { .. } => return self.apply_cache_grants(),
+        };
         if let Some(s) = self.sessions.get_mut(&id) {
             s.busy = false;
             s.position = position;
@@ -289,7 +341,17 @@ impl<M: Memory> State<M> {
             Request::ListModels { reply } => {
                 let _ = reply.send(self.list_models().await);
             }
-            Request::LoadModel { file, reply } => self.load(file, Waiter::Load(reply), true),
+            Request::LoadModel {
+                file,
+                client,
+                reply,
+            } => {
+                if let Err(e) = self.admit_pin(&client, &file.name).await {
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                self.load(file, Waiter::Load { client, reply }).await;
+            }
             Request::UnloadModel { name, reply } => {
                 let _ = reply.send(self.unload(&name));
             }
@@ -299,7 +361,7 @@ impl<M: Memory> State<M> {
                 client,
                 reply,
             } => {
-                if let Err(e) = self.check_session_room() {
+                if let Err(e) = self.admit_session(&client).await {
                     let _ = reply.send(Err(e));
                     return;
                 }
@@ -310,8 +372,8 @@ impl<M: Memory> State<M> {
                         client,
                         reply,
                     },
-                    false,
-                );
+                )
+                .await;
             }
             Request::Memory { reply } => {
                 let _ = reply.send(Ok(self.memory_report()));
@@ -357,6 +419,17 @@ impl<M: Memory> State<M> {
             } => {
                 let _ = reply.send(self.reserve(&name, footprint));
             }
+            Request::ResizeSession { id, bytes, reply } => {
+                let r = match self.memory.resize_session(id, bytes) {
+                    Ok(()) => {
+                        self.apply_cache_grants();
+                        Ok(())
+                    }
+                    Err(e) => Err(LeanStreamError::OverBudget(e.to_string())),
+                };
+                let _ = reply.send(r);
+            }
+            Request::Released => self.apply_cache_grants(),
             Request::Loaded { name, result } => self.loaded(&name, result).await,
             Request::Shutdown { .. } => unreachable!("handled in run"),
         }
@@ -382,7 +455,53 @@ impl<M: Memory> State<M> {
             .collect())
     }
 
-    fn check_session_room(&self) -> Result<(), LeanStreamError> {
+    /// Checks that `client` is still on the bus the first time it asks for something that
+    /// holds memory, and records it. This closes the race between a request and its client's
+    /// disconnection: the bus sends NameOwnerChanged after the name is gone, so either the
+    /// `ClientGone` notice is handled after this request (and releases what it got), or it
+    /// came first and the bus now answers that the name has no owner (and the request is
+    /// refused). A known client needs no new check: its `ClientGone` is still to come.
+    async fn admit_client(&mut self, client: &str) -> Result<&mut ClientEntry, LeanStreamError> {
+        if !self.clients.contains_key(client) {
+            if let Some(bus) = &self.bus {
+                let alive = match zbus::names::BusName::try_from(client) {
+                    Ok(name) => bus.name_has_owner(name).await.unwrap_or(false),
+                    Err(_) => false,
+                };
+                if !alive {
+                    return Err(LeanStreamError::AccessDenied(format!(
+                        "client {client} has left the bus"
+                    )));
+                }
+            }
+            self.clients.insert(client.to_string(), ClientEntry::default());
+        }
+        match self.clients.get_mut(client) {
+            Some(entry) => Ok(entry),
+            None => unreachable!("inserted above"),
+        }
+    }
+
+    /// Sessions of `client`, open or waiting for their model.
+    fn sessions_of(&self, client: &str) -> usize {
+        let open = self.sessions.values().filter(|s| s.client == client).count();
+        let waiting: usize = self
+            .models
+            .values()
+            .map(|m| match &m.slot {
+                Slot::Loading(w) => w
+                    .iter()
+                    .filter(|w| matches!(w, Waiter::Open { client: c, .. } if c == client))
+                    .count(),
+                Slot::Ready(_) => 0,
+            })
+            .sum();
+        open + waiting
+    }
+
+    /// Room for one more session: the daemon's limit and the client's.
+    async fn admit_session(&mut self, client: &str) -> Result<(), LeanStreamError> {
+        self.admit_client(client).await?;
         let pending: usize = self
             .models
             .values()
@@ -400,19 +519,41 @@ impl<M: Memory> State<M> {
                 self.params.max_sessions
             )));
         }
+        let limit = self.params.max_sessions_per_client;
+        if self.sessions_of(client) >= limit {
+            return Err(LeanStreamError::Busy(format!(
+                "this client already has its maximum of {limit} sessions \
+                 (`limits.max_sessions_per_client`)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Room for `client` to pin `model` (pinning a model it already pinned is free).
+    async fn admit_pin(&mut self, client: &str, model: &str) -> Result<(), LeanStreamError> {
+        let limit = self.params.max_pins_per_client;
+        let entry = self.admit_client(client).await?;
+        if !entry.pins.contains(model) && entry.pins.len() >= limit {
+            return Err(LeanStreamError::Busy(format!(
+                "this client already pins its maximum of {limit} models \
+                 (`limits.max_pins_per_client`): unload one first"
+            )));
+        }
+        entry.pins.insert(model.to_string());
         Ok(())
     }
 
     /// Makes `file`'s model available to `waiter`, loading it on a loader thread if needed.
-    fn load(&mut self, file: ModelFile, waiter: Waiter, pin: bool) {
+    async fn load(&mut self, file: ModelFile, waiter: Waiter) {
         let name = file.name.clone();
+        let pin = matches!(waiter, Waiter::Load { .. });
         if let Some(entry) = self.models.get_mut(&name) {
             entry.pinned |= pin;
             match &mut entry.slot {
                 Slot::Loading(waiters) => waiters.push(waiter),
                 Slot::Ready(model) => {
                     let model = Arc::clone(model);
-                    self.serve_waiter(&model, waiter);
+                    self.serve_waiter(&model, waiter).await;
                 }
             }
             return;
@@ -461,10 +602,61 @@ impl<M: Memory> State<M> {
             )));
         };
         self.memory
-            .load_model(name, footprint.resident_bytes, footprint.cache_bytes)
+            .load_model(
+                name,
+                footprint.resident_bytes,
+                footprint.cache_floor_bytes,
+                footprint.cache_bytes,
+            )
             .map_err(|e| LoadError::OverBudget(e.to_string()))?;
         entry.reserved = true;
+        // Other caches may have shrunk to make room: free that memory before the loader
+        // allocates.
+        self.apply_cache_grants();
         Ok(())
+    }
+
+    /// Makes every loaded model's neuron cache the size the arbiter grants it now: shrinks
+    /// first, so that what they free is free before anything grows, then growth. Called after
+    /// every change to the arbiter. A model still loading holds only its floor (it is loaded
+    /// with it) and is resized once loaded.
+    fn apply_cache_grants(&self) {
+        let mut grants: Vec<(&Arc<LoadedModel>, u64, u64)> = Vec::new();
+        for (name, entry) in &self.models {
+            if let Slot::Ready(model) = &entry.slot
+                && let (Some(held), Some(grant)) =
+                    (model.cache_held(), self.memory.cache_bytes(name))
+                && held != grant
+            {
+                grants.push((model, held, grant));
+            }
+        }
+        if grants.is_empty() {
+            return;
+        }
+        // Shrinks before growth.
+        grants.sort_by_key(|&(_, held, grant)| grant > held);
+        let resize = || {
+            for (model, held, grant) in grants {
+                match model.resize_cache(grant) {
+                    Some(Ok(now)) => tracing::debug!(
+                        "model {}: neuron cache {held} -> {now} bytes (granted {grant})",
+                        model.name
+                    ),
+                    Some(Err(e)) => {
+                        tracing::error!("model {}: resizing the neuron cache: {e}", model.name)
+                    }
+                    None => {}
+                }
+            }
+        };
+        // Locking an executor waits for the scheduler's forward pass on it.
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(resize)
+            }
+            _ => resize(),
+        }
     }
 
     async fn loaded(&mut self, name: &str, result: Result<Arc<LoadedModel>, LoadError>) {
@@ -482,8 +674,10 @@ impl<M: Memory> State<M> {
             Ok(model) => {
                 tracing::info!("model {name} loaded");
                 entry.slot = Slot::Ready(Arc::clone(&model));
+                // Loaded with its floor: now its cache grows to what the arbiter grants.
+                self.apply_cache_grants();
                 for w in waiters {
-                    self.serve_waiter(&model, w);
+                    self.serve_waiter(&model, w).await;
                 }
                 self.unload_if_unused(name);
             }
@@ -499,9 +693,9 @@ impl<M: Memory> State<M> {
         }
     }
 
-    fn serve_waiter(&mut self, model: &Arc<LoadedModel>, waiter: Waiter) {
+    async fn serve_waiter(&mut self, model: &Arc<LoadedModel>, waiter: Waiter) {
         match waiter {
-            Waiter::Load(reply) => {
+            Waiter::Load { reply, .. } => {
                 let _ = reply.send(Ok(()));
             }
             Waiter::Open {
@@ -509,26 +703,27 @@ impl<M: Memory> State<M> {
                 client,
                 reply,
             } => {
-                let r = self.open(model, context, client);
-                if let Ok((id, _)) = &r {
-                    // Serve the object before answering, so the client can call it at once.
-                    let conn = self.conn.clone();
-                    let obj = crate::service::SessionObject::new(
-                        *id,
-                        self.requests.clone(),
-                        Arc::clone(&self.params),
-                    );
-                    let path = path_of(*id);
-                    tokio::spawn(async move {
-                        let r = match conn.object_server().at(path.clone(), obj).await {
+                let r = match self.open(model, context, client) {
+                    // Serve the object before answering, so the client can call it at once, and
+                    // before the next request, so a `ClientGone` can only find it served.
+                    Ok((id, ())) => {
+                        let obj = crate::service::SessionObject::new(
+                            id,
+                            self.requests.clone(),
+                            Arc::clone(&self.params),
+                        );
+                        let path = path_of(id);
+                        match self.conn.object_server().at(path.clone(), obj).await {
                             Ok(_) => Ok(path),
-                            Err(e) => Err(LeanStreamError::Internal(e.to_string())),
-                        };
-                        let _ = reply.send(r);
-                    });
-                } else if let Err(e) = r {
-                    let _ = reply.send(Err(e));
-                }
+                            Err(e) => {
+                                self.close(id).await;
+                                Err(LeanStreamError::Internal(e.to_string()))
+                            }
+                        }
+                    }
+                    Err(e) => Err(e),
+                };
+                let _ = reply.send(r);
             }
         }
     }
@@ -558,9 +753,12 @@ impl<M: Memory> State<M> {
         }
         let id = self.next_id;
         let bytes = session_bytes(model, context, compute_threads(&self.params));
+        let priority = self.params.model(&model.name).priority;
         self.memory
-            .open_session(id, &model.name, &client, bytes)
+            .open_session(id, &model.name, &client, bytes, priority)
             .map_err(|e| LeanStreamError::OverBudget(e.to_string()))?;
+        // Caches may have shrunk to make room: free that before the session allocates.
+        self.apply_cache_grants();
         let session = match model.open_session(context, self.params.precision) {
             Ok(s) => s,
             Err(e) => {
@@ -615,10 +813,18 @@ impl<M: Memory> State<M> {
     /// in a streaming mode the last reference joins its I/O threads, which may be finishing a
     /// read. (The scheduler may still hold a reference for a moment; it then drops it there.)
     fn release(&mut self, name: &str) {
+        for c in self.clients.values_mut() {
+            c.pins.remove(name);
+        }
         if let Some(entry) = self.models.remove(name) {
             self.memory.unload_model(name);
             if let Slot::Ready(model) = entry.slot {
-                tokio::task::spawn_blocking(move || drop(model));
+                let requests = self.requests.clone();
+                tokio::task::spawn_blocking(move || {
+                    drop_last(model);
+                    // Only now is the memory free for the other caches to grow into.
+                    let _ = requests.blocking_send(Request::Released);
+                });
             }
         }
     }
@@ -710,10 +916,13 @@ impl<M: Memory> State<M> {
     }
 
     async fn client_gone(&mut self, client: &str) {
+        self.clients.remove(client);
         // Waiting opens of this client will never be used.
         for m in self.models.values_mut() {
             if let Slot::Loading(waiters) = &mut m.slot {
-                waiters.retain(|w| !matches!(w, Waiter::Open { client: c, .. } if c == client));
+                waiters.retain(|w| match w {
+                    Waiter::Open { client: c, .. } | Waiter::Load { client: c, .. } => c != client,
+                });
             }
         }
         let ids = self.memory.client_gone(client);
@@ -754,15 +963,18 @@ impl<M: Memory> State<M> {
         MemoryReport {
             budget_bytes: f.budget,
             used_bytes: f.used,
+            rss_bytes: leanstream_engine::bench::process::rss_bytes(),
             models: f
                 .models
                 .iter()
-                .map(|(name, resident, cache)| ModelMemory {
-                    name: name.clone(),
-                    resident_bytes: *resident,
-                    cache_bytes: *cache,
+                .map(|m| ModelMemory {
+                    name: m.name.clone(),
+                    resident_bytes: m.resident,
+                    cache_bytes: m.cache,
+                    cache_floor_bytes: m.cache_floor,
+                    cache_wanted_bytes: m.cache_wanted,
                     // Params never change, so this is the mode the model was loaded in.
-                    mode: self.params.model(name).mode.name().to_string(),
+                    mode: self.params.model(&m.name).mode.name().to_string(),
                 })
                 .collect(),
             sessions: f
@@ -798,12 +1010,24 @@ fn load_reserved(
         })
         .map_err(|_| gone())?;
     rx.blocking_recv().map_err(|_| gone())??;
-    LoadedModel::load(file, params, footprint.cache_bytes)
+    LoadedModel::load(file, params, footprint.cache_floor_bytes)
+}
+
+/// Drops `model` once it is the last reference (the scheduler drops its own when it handles the
+/// sessions' `Close`, within one forward pass), so that its memory is really free on return;
+/// gives up waiting after a few seconds (the memory is then freed by whoever holds it last).
+fn drop_last(model: Arc<LoadedModel>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while Arc::strong_count(&model) > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    drop(model);
+    crate::alloc::trim();
 }
 
 fn reply_err(waiter: Waiter, e: LeanStreamError) {
     match waiter {
-        Waiter::Load(reply) => {
+        Waiter::Load { reply, .. } => {
             let _ = reply.send(Err(e));
         }
         Waiter::Open { reply, .. } => {

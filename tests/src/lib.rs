@@ -109,6 +109,9 @@ impl Bus {
     <allow eavesdrop="true"/>
     <allow own="*"/>
   </policy>
+  <!-- The largest message the bus passes on: the daemon holds one incoming message in memory
+       before it can refuse it, so this bounds that part of its fixed overhead. -->
+  <limit name="max_message_size">1048576</limit>
 </busconfig>
 "#,
                 dir.path().display()

@@ -15,10 +15,11 @@ pub fn format_status(report: &MemoryReport) -> String {
     };
     let free = report.budget_bytes.saturating_sub(report.used_bytes);
     let mut out = format!(
-        "budget {}, used {} ({percent:.1} %), free {}\n",
+        "budget {}, used {} ({percent:.1} %), free {}; process resident {}\n",
         bytes(report.budget_bytes),
         bytes(report.used_bytes),
         bytes(free),
+        bytes(report.rss_bytes),
     );
     let mut section = |title: &str, headers: &[(&str, Align)], rows: Vec<Vec<String>>| {
         out.push('\n');
@@ -37,6 +38,8 @@ pub fn format_status(report: &MemoryReport) -> String {
             ("MODE", Align::Left),
             ("RESIDENT", Align::Right),
             ("CACHE", Align::Right),
+            ("FLOOR", Align::Right),
+            ("WANTED", Align::Right),
             ("TOTAL", Align::Right),
         ],
         report
@@ -48,6 +51,8 @@ pub fn format_status(report: &MemoryReport) -> String {
                     m.mode.clone(),
                     bytes(m.resident_bytes),
                     bytes(m.cache_bytes),
+                    bytes(m.cache_floor_bytes),
+                    bytes(m.cache_wanted_bytes),
                     bytes(m.resident_bytes.saturating_add(m.cache_bytes)),
                 ]
             })
@@ -152,10 +157,13 @@ mod tests {
         MemoryReport {
             budget_bytes: 512 << 20,
             used_bytes: 200 << 20,
+            rss_bytes: 221 << 20,
             models: vec![ModelMemory {
                 name: "smollm2".into(),
                 resident_bytes: 100 << 20,
                 cache_bytes: 60 << 20,
+                cache_floor_bytes: 2 << 20,
+                cache_wanted_bytes: 80 << 20,
                 mode: "leanstream".into(),
             }],
             sessions: vec![
@@ -190,11 +198,11 @@ mod tests {
     #[test]
     fn status_tables_are_aligned() {
         let expected = "\
-budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB
+budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB; process resident 221.0 MiB
 
 models
-MODEL    MODE         RESIDENT     CACHE      TOTAL
-smollm2  leanstream  100.0 MiB  60.0 MiB  160.0 MiB
+MODEL    MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL
+smollm2  leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB
 
 sessions
 SESSION     MODEL    CLIENT    MEMORY
@@ -214,13 +222,14 @@ CLIENT  SESSIONS    MEMORY
         let empty = MemoryReport {
             budget_bytes: 0,
             used_bytes: 0,
+            rss_bytes: 0,
             models: vec![],
             sessions: vec![],
             clients: vec![],
         };
         let text = format_status(&empty);
         assert!(
-            text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B\n"),
+            text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B; process resident 0 B\n"),
             "{text}"
         );
         assert_eq!(text.matches("(none)").count(), 3, "{text}");

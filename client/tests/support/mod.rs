@@ -237,10 +237,13 @@ impl MockManager {
         MemoryReport {
             budget_bytes: 64 << 20,
             used_bytes: 10 << 20,
+            rss_bytes: 30 << 20,
             models: vec![ModelMemory {
                 name: "tiny".into(),
                 resident_bytes: 6 << 20,
                 cache_bytes: 2 << 20,
+                cache_floor_bytes: 1 << 20,
+                cache_wanted_bytes: 3 << 20,
                 mode: "leanstream".into(),
             }],
             sessions: vec![],

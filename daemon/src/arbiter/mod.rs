@@ -35,10 +35,6 @@
 //! engine's caches; an engine may round a grant down (to whole chunks), never up. When opening a
 //! session the daemon shrinks the caches before it allocates the KV cache.
 
-// Cache sizes, priorities other than Normal and the query helpers are used by the streaming
-// engine's cache resizing (issue 4) and by the tests; the dense daemon does not need them yet.
-#![allow(dead_code)]
-
 mod error;
 #[cfg(test)]
 mod properties;
@@ -295,6 +291,38 @@ impl Arbiter {
             },
         );
         self.reserved += bytes;
+        self.settle();
+        Ok(())
+    }
+
+    /// Sets a session's reservation to `bytes` (its KV cache grew or was released). Growing is
+    /// admitted like a new request — caches shrink toward their minimum first — and refused with
+    /// `OverBudget`, changing nothing, when the extra bytes do not fit; shrinking always
+    /// succeeds and the caches grow into what it frees.
+    pub fn resize_session(&mut self, id: SessionId, bytes: u64) -> Result<(), ArbiterError> {
+        let session = self
+            .sessions
+            .get(&id)
+            .ok_or(ArbiterError::UnknownSession(id))?;
+        let old = session.bytes;
+        if bytes > old {
+            self.admit(bytes - old, || {
+                format!(
+                    "growing session {id} on model `{}` from {} to {}",
+                    session.model,
+                    Bytes(old),
+                    Bytes(bytes)
+                )
+            })?;
+        }
+        let client = session.client.clone();
+        if let Some(s) = self.sessions.get_mut(&id) {
+            s.bytes = bytes;
+        }
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.bytes = c.bytes - old + bytes;
+        }
+        self.reserved = self.reserved - old + bytes;
         self.settle();
         Ok(())
     }

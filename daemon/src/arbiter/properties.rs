@@ -27,6 +27,10 @@ enum Op {
         priority: Priority,
     },
     Close(u64),
+    Resize {
+        id: u64,
+        bytes: u64,
+    },
     ClientGone(usize),
 }
 
@@ -48,6 +52,7 @@ fn op() -> impl Strategy<Value = Op> {
             |(id, model, client, bytes, priority)| Op::Open { id, model, client, bytes, priority }
         ),
         2 => (0..10u64).prop_map(Op::Close),
+        2 => (0..10u64, 0..400u64).prop_map(|(id, bytes)| Op::Resize { id, bytes }),
         1 => (0..CLIENTS.len()).prop_map(Op::ClientGone),
     ]
 }
@@ -79,6 +84,7 @@ fn apply(arb: &mut Arbiter, op: &Op) -> Result<Vec<SessionId>, ArbiterError> {
             )
             .map(|()| vec![]),
         Op::Close(id) => arb.close_session(SessionId(id)).map(|()| vec![]),
+        Op::Resize { id, bytes } => arb.resize_session(SessionId(id), bytes).map(|()| vec![]),
         Op::ClientGone(client) => Ok(arb.client_gone(CLIENTS[client])),
     }
 }
@@ -138,6 +144,16 @@ impl Oracle {
                 ok
             }
             Op::Close(id) => self.sessions.remove(&id).is_some(),
+            Op::Resize { id, bytes } => match self.sessions.get(&id).map(|s| s.2) {
+                Some(old) => {
+                    let ok = bytes <= old || bytes - old <= room;
+                    if ok && let Some(s) = self.sessions.get_mut(&id) {
+                        s.2 = bytes;
+                    }
+                    ok
+                }
+                None => false,
+            },
             Op::ClientGone(client) => {
                 self.sessions.retain(|_, s| s.1 != client);
                 true
@@ -173,7 +189,7 @@ proptest! {
         for op in &ops {
             let before = arb.clone();
             let closed_owner = match op {
-                Op::Close(id) => owner(&arb, *id),
+                Op::Close(id) | Op::Resize { id, .. } => owner(&arb, *id),
                 _ => None,
             };
             let client_before = before.report().clients;
@@ -217,7 +233,7 @@ proptest! {
         for (op, closed_owner) in &log {
             let skip = match op {
                 Op::Open { client, .. } | Op::ClientGone(client) => CLIENTS[*client] == name,
-                Op::Close(_) => closed_owner.as_deref() == Some(name),
+                Op::Close(_) | Op::Resize { .. } => closed_owner.as_deref() == Some(name),
                 _ => false,
             };
             if !skip {
