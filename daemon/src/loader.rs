@@ -171,6 +171,7 @@ impl LoadedModel {
             Arc::clone(&self.model),
             context,
             precision,
+            leanstream_engine::kv::KvType::default(),
         )?))
     }
 

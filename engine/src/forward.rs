@@ -3,14 +3,25 @@
 //!
 //! [`Model`] is immutable and shared (`Arc`) by all sessions; a [`Session`] owns its KV cache and
 //! scratch buffers (llama.cpp's model/context split).
+//!
+//! # Memory
+//! A session allocates its scratch at open ([`session_open_bytes`] says how much, before it is
+//! opened) and its KV cache in blocks of [`crate::kv::KV_BLOCK_TOKENS`] tokens as the conversation grows
+//! (none at open). [`Session::bytes`] reports what it holds, from the allocations themselves;
+//! [`Session::kv_growth_bytes`] and [`Session::grow_kv`] let a scheduler reserve a block before
+//! it is allocated; a forward pass grows by itself when nobody did.
+
+mod scratch;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
+use crate::backend::cpu::{self, Disjoint, Kernels, Precision};
+use crate::kv::{KvCache, KvType};
 use crate::model::{Down, FfnActivation, LayerWeights, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use scratch::{Scratch, Shape};
 
 /// A loaded model: weights, tokenizer and chat template. Shared by sessions.
 #[derive(Debug)]
@@ -45,27 +56,6 @@ const DOWN_PRECISION: Precision = Precision::Exact;
 /// streams the weights once per 32 tokens instead of once per token.
 pub const MAX_BATCH: usize = 32;
 
-/// Per-session scratch, sized once for [`MAX_BATCH`] tokens. Per-token buffers are token-major:
-/// token `t` of a batch owns `[t * len..(t + 1) * len]`.
-#[derive(Debug)]
-struct Scratch {
-    x: Vec<f32>,           // (MAX_BATCH, d_model) residual stream
-    xn: Vec<f32>,          // (MAX_BATCH, d_model) normalised input of a sub-block
-    q: Vec<f32>,           // (MAX_BATCH, q_dim)
-    k: Vec<f32>,           // (MAX_BATCH, kv_dim)
-    v: Vec<f32>,           // (MAX_BATCH, kv_dim)
-    att: Vec<f32>,         // (MAX_BATCH, q_dim) attention output, all heads
-    scores: Vec<f32>,      // (n_heads, max_context) attention weights
-    proj: Vec<f32>,        // (MAX_BATCH, d_model) output of a projection before the residual add
-    gate: Vec<f32>,        // (MAX_BATCH, n_ff)
-    up: Vec<f32>,          // (MAX_BATCH, n_ff)
-    partials: Vec<f32>,    // (n_parts, d_model) per-task sums of neuron-major down columns
-    logits: Vec<f32>,      // (vocab) of the last token of a batch
-    acts: QuantizedActs,   // (MAX_BATCH, longest input) activations quantised for Fast
-    inv_freq: Vec<f32>,    // (head_dim / 2) RoPE frequencies
-    rope: Vec<(f32, f32)>, // (MAX_BATCH, head_dim / 2) (sin, cos) of each token's position
-}
-
 /// Computes the FFN of one layer for one token, in place of the dense FFN (see
 /// [`Session::forward_with`]).
 pub trait FfnExecutor {
@@ -85,20 +75,46 @@ pub struct Session {
     precision: Precision,
     max_context: usize,
     pos: usize,
-    key_cache: Vec<f32>,   // (n_layers, max_context, kv_dim)
-    value_cache: Vec<f32>, // (n_layers, max_context, kv_dim)
+    kv: KvCache, // (blocks of KV_BLOCK_TOKENS) × (n_layers, 2, tokens, kv_dim)
     s: Scratch,
     kernels: &'static Kernels,
 }
 
-/// Bytes of KV cache a session of `max_context` tokens needs (f32 keys and values).
+/// KV bytes of a session of `max_context` tokens once its cache is fully grown, in the default
+/// [`KvType`]: an upper bound of what its KV blocks can reach. What a session holds now is
+/// [`Session::bytes`]; what it allocates at open, [`session_open_bytes`].
 pub fn kv_cache_bytes(w: &Weights, max_context: usize) -> usize {
-    2 * w.config.n_layers * max_context * w.config.kv_dim() * std::mem::size_of::<f32>()
+    let per_token = KvType::default().bytes_per_token(w.config.n_layers, w.config.kv_dim());
+    max_context * per_token as usize
+}
+
+/// Tasks the neuron-major down projection is split into (one partial sum each): one per compute
+/// thread of the pool the caller runs in.
+fn down_parts() -> usize {
+    rayon::current_num_threads().max(1)
+}
+
+/// Heap bytes [`Session::new`]`(model, max_context, _, kv)` allocates (its scratch and the empty
+/// block table of its KV cache; no KV block), so a caller can reserve them first. Equal to that
+/// session's [`Session::bytes`] when called from the same thread pool.
+pub fn session_open_bytes(model: &Model, max_context: usize, kv: KvType) -> u64 {
+    let _ = kv; // A new session holds no KV block, whatever its type.
+    Shape::new(&model.weights.config, max_context, down_parts()).bytes()
+        + KvCache::open_bytes(max_context)
 }
 
 impl Session {
-    /// Creates a session with room for `max_context` tokens (at most the model's context length).
-    pub fn new(model: Arc<Model>, max_context: usize, precision: Precision) -> Result<Session> {
+    /// Creates a session with room for `max_context` tokens (at most the model's context length)
+    /// whose keys and values are stored as `kv`. It holds its scratch and no KV block: the first
+    /// forward pass (or [`Session::grow_kv`]) allocates one.
+    ///
+    /// Errors if `max_context` is out of range or `kv` cannot store this model's KV rows.
+    pub fn new(
+        model: Arc<Model>,
+        max_context: usize,
+        precision: Precision,
+        kv: KvType,
+    ) -> Result<Session> {
         let c = &model.weights.config;
         if max_context == 0 || max_context > c.context_length {
             return Err(Error::InvalidArgument {
@@ -106,39 +122,49 @@ impl Session {
                 reason: format!("{max_context} is outside 1..={}", c.context_length),
             });
         }
-        let n_parts = rayon::current_num_threads().max(1);
-        let kv = c.n_layers * max_context * c.kv_dim();
-        let inv_freq: Vec<f32> = (0..c.head_dim / 2)
-            .map(|i| c.rope_base.powf(-2.0 * i as f32 / c.head_dim as f32))
-            .collect();
-        let b = MAX_BATCH;
-        let s = Scratch {
-            x: vec![0.0; b * c.d_model],
-            xn: vec![0.0; b * c.d_model],
-            q: vec![0.0; b * c.q_dim()],
-            k: vec![0.0; b * c.kv_dim()],
-            v: vec![0.0; b * c.kv_dim()],
-            att: vec![0.0; b * c.q_dim()],
-            scores: vec![0.0; c.n_heads * max_context],
-            proj: vec![0.0; b * c.d_model],
-            gate: vec![0.0; b * c.n_ff],
-            up: vec![0.0; b * c.n_ff],
-            partials: vec![0.0; n_parts * c.d_model],
-            logits: vec![0.0; c.vocab_size],
-            acts: QuantizedActs::new(b * c.d_model.max(c.n_ff).max(c.q_dim())),
-            rope: vec![(0.0, 1.0); b * inv_freq.len()],
-            inv_freq,
-        };
+        let kv = KvCache::new(kv, c.n_layers, c.kv_dim(), max_context)?;
+        let shape = Shape::new(c, max_context, down_parts());
+        let s = Scratch::new(&shape, c.rope_base, c.head_dim);
         Ok(Session {
             precision,
             max_context,
             pos: 0,
-            key_cache: vec![0.0; kv],
-            value_cache: vec![0.0; kv],
+            kv,
             s,
             kernels: Kernels::best(),
             model,
         })
+    }
+
+    /// Element type of the KV cache.
+    pub fn kv_type(&self) -> KvType {
+        self.kv.kv_type()
+    }
+
+    /// Every heap byte the session holds now: its scratch and its KV blocks (from the
+    /// allocations' capacities). The shared model is not counted.
+    pub fn bytes(&self) -> u64 {
+        self.s.bytes() + self.kv.bytes()
+    }
+
+    /// Bytes that must be allocated so that `tokens` more tokens fit after
+    /// [`Session::position`]: whole KV blocks, 0 if they already fit. Tokens beyond
+    /// `max_context` are not counted (the caller checks the limit).
+    pub fn kv_growth_bytes(&self, tokens: usize) -> u64 {
+        self.kv.growth_bytes(self.pos.saturating_add(tokens))
+    }
+
+    /// Allocates what [`Session::kv_growth_bytes`]`(tokens)` counts. Errors, allocating
+    /// nothing, if `tokens` more do not fit in `max_context`; or if the allocator refuses a block.
+    pub fn grow_kv(&mut self, tokens: usize) -> Result<()> {
+        self.kv.grow(self.pos.saturating_add(tokens))
+    }
+
+    /// Forgets the conversation and frees every KV block ([`Session::bytes`] drops back to
+    /// [`session_open_bytes`]).
+    pub fn release_kv(&mut self) {
+        self.kv.release();
+        self.pos = 0;
     }
 
     /// The model this session runs.
@@ -156,7 +182,8 @@ impl Session {
         self.max_context
     }
 
-    /// Forgets the conversation (the KV cache is reused, not freed).
+    /// Forgets the conversation. The KV blocks are kept for the next one (its first tokens need
+    /// no allocation); [`Session::release_kv`] frees them.
     pub fn reset(&mut self) {
         self.pos = 0;
     }
@@ -172,9 +199,10 @@ impl Session {
     /// the output head runs only for the last token.
     ///
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
-    /// not fit in the context.
+    /// not fit in the context. Grows the KV cache first if it has no room for them.
     pub fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.check_tokens(tokens)?;
+        self.grow_kv(tokens.len())?;
         let model = Arc::clone(&self.model);
         for batch in tokens.chunks(MAX_BATCH) {
             self.embed(batch);
@@ -193,6 +221,7 @@ impl Session {
     /// path's.
     pub fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         self.check_tokens(&[token])?;
+        self.grow_kv(1)?;
         let model = Arc::clone(&self.model);
         let d = model.weights.config.d_model;
         let eps = model.weights.config.rms_eps;
@@ -295,14 +324,10 @@ impl Session {
             cpu::rope(q, hd, table, c.rope_style);
             cpu::rope(kk, hd, table, c.rope_style);
 
-            // KV cache write at this token's position.
-            let at = (l * self.max_context + pos0 + t) * kv_dim;
-            self.key_cache[at..at + kv_dim].copy_from_slice(kk);
-            self.value_cache[at..at + kv_dim].copy_from_slice(v);
+            // KV cache write at this token's position, in the cache's type.
+            self.kv.write(l, pos0 + t, kk, v);
         }
-        let base = l * self.max_context * kv_dim;
-        let keys = &self.key_cache[base..base + (pos0 + n) * kv_dim];
-        let values = &self.value_cache[base..base + (pos0 + n) * kv_dim];
+        let kv = &self.kv;
 
         // Causal attention, one query head per task (all tokens of the batch in order, token `t`
         // seeing positions `0..=pos0 + t`); GQA maps `group` query heads to a KV head.
@@ -325,7 +350,8 @@ impl Session {
                         )
                     };
                     let kv_off = (h / group) * hd;
-                    cpu::attend(&q[o..o + hd], keys, values, kv_dim, kv_off, scores, out);
+                    let spans = kv.spans(l, pos + 1);
+                    cpu::attend_spans(k, &q[o..o + hd], spans, kv_dim, kv_off, scores, out);
                 }
             }
         });

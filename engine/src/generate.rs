@@ -19,8 +19,20 @@ pub trait Decode: std::fmt::Debug {
     fn vocab_size(&self) -> usize;
     /// Runs `token` with each layer's FFN computed by `exec` (the sparse pipelines).
     fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]>;
-    /// Forgets the conversation.
+    /// Forgets the conversation (what it holds stays allocated for the next one).
     fn reset(&mut self);
+    /// Every byte the session holds now, host and device (KV cache and scratch; not the shared
+    /// model), from its allocations.
+    fn bytes(&self) -> u64;
+    /// Bytes that must be allocated so that `tokens` more tokens fit after
+    /// [`Decode::position`]; 0 if they already fit. The caller checks `max_context` itself.
+    fn kv_growth_bytes(&self, tokens: usize) -> u64;
+    /// Allocates what [`Decode::kv_growth_bytes`]`(tokens)` counts; errors if `tokens` more do
+    /// not fit in the context. Forward passes grow by themselves; a scheduler calls this after
+    /// reserving the bytes.
+    fn grow_kv(&mut self, tokens: usize) -> Result<()>;
+    /// Forgets the conversation and frees the KV memory it can give back.
+    fn release_kv(&mut self);
     /// Bytes of GPU memory held (weights, KV cache, scratch); `None` on the CPU.
     fn device_bytes(&self) -> Option<u64> {
         None
@@ -48,6 +60,18 @@ impl Decode for Session {
     }
     fn reset(&mut self) {
         Session::reset(self)
+    }
+    fn bytes(&self) -> u64 {
+        Session::bytes(self)
+    }
+    fn kv_growth_bytes(&self, tokens: usize) -> u64 {
+        Session::kv_growth_bytes(self, tokens)
+    }
+    fn grow_kv(&mut self, tokens: usize) -> Result<()> {
+        Session::grow_kv(self, tokens)
+    }
+    fn release_kv(&mut self) {
+        Session::release_kv(self)
     }
 }
 

@@ -7,6 +7,7 @@
 //! - [`tokenizer`], [`chat`]: text ↔ ids and chat templates;
 //! - [`reference`]: the plain dense f32 forward pass, the oracle for every faster path;
 //! - [`forward`]: the engine's dense forward pass over quantised weights;
+//! - [`kv`]: a session's KV cache (f16 / q8_0 / f32, grown in blocks);
 //! - [`sample`]: token sampling;
 //! - [`io`], [`cache`], [`predict`], [`pipeline`]: the sparse streaming engine (direct reads, the
 //!   neuron cache, activation predictors, and the five pipeline modes);
@@ -21,6 +22,7 @@ pub mod error;
 pub mod forward;
 pub mod generate;
 pub mod io;
+pub mod kv;
 pub mod model;
 pub mod pipeline;
 pub mod predict;

@@ -152,48 +152,82 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 /// Quantises `x` (a whole number of blocks for block types) into `dtype`, appending to `out`.
 /// Used by the converter (down columns) and by tests that build tiny models. Q4 types use the
 /// GGML round-to-nearest rules.
+///
+/// Panics if `x.len()` is not a whole number of `dtype` blocks.
 pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
+    let need = dtype
+        .row_bytes(x.len())
+        .unwrap_or_else(|| panic!("{} values are not whole {dtype} blocks", x.len()));
+    let at = out.len();
+    out.resize(at + need, 0);
+    quantize_row_into(dtype, x, &mut out[at..]);
+}
+
+/// [`quantize_row`] into a slice of exactly `dtype.row_bytes(x.len())` bytes, without
+/// allocating (the KV cache writes its rows this way).
+///
+/// Panics if `x.len()` is not a whole number of blocks or `out` has another length.
+pub fn quantize_row_into(dtype: DType, x: &[f32], out: &mut [u8]) {
+    assert_eq!(
+        dtype.row_bytes(x.len()),
+        Some(out.len()),
+        "{} values of {dtype} into {} bytes",
+        x.len(),
+        out.len()
+    );
     match dtype {
-        DType::F32 => x
-            .iter()
-            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-        DType::F16 => x
-            .iter()
-            .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
-        DType::Bf16 => x
-            .iter()
-            .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+        DType::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(x) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::Bf16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
         DType::Q8_0 => {
-            for b in x.chunks_exact(QK) {
+            for (o, b) in out.chunks_exact_mut(34).zip(x.chunks_exact(QK)) {
                 let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = amax / 127.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend(b.iter().map(|v| ((v * id).round() as i8) as u8));
+                o[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                for (q, v) in o[2..].iter_mut().zip(b) {
+                    *q = ((v * id).round() as i8) as u8;
+                }
             }
         }
         DType::Q4_0 => {
-            for b in x.chunks_exact(QK) {
+            for (o, b) in out.chunks_exact_mut(18).zip(x.chunks_exact(QK)) {
                 let max = b
                     .iter()
                     .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                o[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
                 let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+                for (j, n) in o[2..].iter_mut().enumerate() {
+                    *n = q(b[j]) | (q(b[j + 16]) << 4);
+                }
             }
         }
         DType::Q4_1 => {
-            for b in x.chunks_exact(QK) {
+            for (o, b) in out.chunks_exact_mut(20).zip(x.chunks_exact(QK)) {
                 let min = b.iter().copied().fold(f32::INFINITY, f32::min);
                 let max = b.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let d = (max - min) / 15.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                o[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                o[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
                 let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
+                for (j, n) in o[4..].iter_mut().enumerate() {
+                    *n = q(b[j]) | (q(b[j + 16]) << 4);
+                }
             }
         }
     }

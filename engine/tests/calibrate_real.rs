@@ -9,6 +9,7 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::calibrate::{self, CALIBRATION_TEXT, CalibrateOptions, HELDOUT_TEXT};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::generate;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::predict::PredictorKind;
 use leanstream_engine::sample::SamplerConfig;
@@ -16,7 +17,7 @@ use leanstream_engine::sample::SamplerConfig;
 fn greedy(path: &std::path::Path, prompt: &str, n: usize) -> Vec<u32> {
     let model = Model::load(path).expect("load");
     let ids = model.tokenizer.encode(prompt).expect("encode");
-    let mut s = Session::new(model.clone(), 128, Precision::Exact).expect("session");
+    let mut s = Session::new(model.clone(), 128, Precision::Exact, KvType::F32).expect("session");
     generate(&mut s, &ids, n, &SamplerConfig::default(), &[], |_| true)
         .expect("generate")
         .ids

@@ -8,6 +8,7 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::predict::PredictorKind;
 use leanstream_engine::testing;
@@ -43,7 +44,8 @@ fn window_pass_agrees_with_the_session() {
     let model = Model::load(&path).expect("load");
     let ids = model.tokenizer.encode(TEXT).expect("encode");
     let ids = &ids[..ids.len().min(32)];
-    let mut session = Session::new(model.clone(), 32, Precision::Exact).expect("session");
+    let mut session =
+        Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
     let (sum, n) = score(&mut session, ids).expect("score");
     let p = perplexity(&model.weights, ids, 32, None, &mut |_, _| {}).expect("perplexity");
     assert_eq!(p.tokens, n);

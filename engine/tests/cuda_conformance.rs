@@ -16,6 +16,7 @@ use std::sync::Arc;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::cuda::{CudaBackend, CudaModel, CudaSession};
 use leanstream_engine::forward::Session;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;
 
@@ -51,7 +52,7 @@ fn greedy(mut step: impl FnMut(u32) -> Vec<f32>) -> Vec<u32> {
 }
 
 fn cpu_ids(sm: &SparseModel) -> Vec<u32> {
-    let mut s = Session::new(Arc::clone(&sm.model), 128, Precision::Exact).unwrap();
+    let mut s = Session::new(Arc::clone(&sm.model), 128, Precision::Exact, KvType::F32).unwrap();
     greedy(|t| s.forward(t).unwrap().to_vec())
 }
 

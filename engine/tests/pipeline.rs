@@ -11,6 +11,7 @@ use std::sync::Arc;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
 use leanstream_engine::io::{DirectFile, Fault, FaultKind, FaultyReader, ThreadPoolIo};
+use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{
     Executor, ExecutorOptions, Mode, Policy, Selector, SparseModel, StreamingFfn,
 };
@@ -20,7 +21,7 @@ const PROMPT: &[u32] = common::FIXTURE[0].prompt_ids;
 
 /// Greedy ids and the first step's logits of the dense path.
 fn dense_run(sm: &SparseModel, steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact, KvType::F32).unwrap();
     let first = s.forward_batch(PROMPT).unwrap().to_vec();
     let mut ids = vec![argmax(&first)];
     for _ in 1..steps {
@@ -31,7 +32,7 @@ fn dense_run(sm: &SparseModel, steps: usize) -> (Vec<u32>, Vec<f32>) {
 }
 
 fn sparse_run(sm: &SparseModel, exec: &mut Executor, steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact, KvType::F32).unwrap();
     let mut first = Vec::new();
     for &t in PROMPT {
         first = s.forward_with(t, exec).unwrap().to_vec();
@@ -120,13 +121,13 @@ fn a_failing_read_ends_that_token_with_an_error_and_the_pipeline_goes_on() {
     )
     .unwrap();
     let mut exec = Executor::Streaming(Box::new(ffn));
-    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact, KvType::F32).unwrap();
     let err = s.forward_with(PROMPT[0], &mut exec).unwrap_err();
     assert!(err.to_string().contains("chunk"), "{err}");
     // The same pipeline serves a fresh session once reads succeed again.
     let mut errors = 1;
     let ids = loop {
-        let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+        let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact, KvType::F32).unwrap();
         let run = (|| {
             let mut last = Vec::new();
             for &t in PROMPT {

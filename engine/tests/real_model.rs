@@ -9,6 +9,7 @@ use common::{FIXTURE, heldout_text, real_gguf, real_lsm, top_n};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::{generate, score};
+use leanstream_engine::kv::KvType;
 use leanstream_engine::reference::Reference;
 use leanstream_engine::sample::SamplerConfig;
 
@@ -18,7 +19,8 @@ fn check_fixture(path: &Path) {
         let ids = model.tokenizer.encode(case.prompt).expect("encode");
         assert_eq!(ids, case.prompt_ids, "prompt ids of {:?}", case.prompt);
 
-        let mut session = Session::new(model.clone(), 64, Precision::Exact).expect("session");
+        let mut session =
+            Session::new(model.clone(), 64, Precision::Exact, KvType::F32).expect("session");
         let (last, rest) = ids.split_last().expect("non-empty");
         for &t in rest {
             session.forward(t).expect("forward");
@@ -39,7 +41,8 @@ fn check_fixture(path: &Path) {
             case.prompt
         );
 
-        let mut session = Session::new(model.clone(), 64, Precision::Exact).expect("session");
+        let mut session =
+            Session::new(model.clone(), 64, Precision::Exact, KvType::F32).expect("session");
         let eos = model.tokenizer.specials().eos.clone();
         let g = generate(
             &mut session,
@@ -69,7 +72,8 @@ fn engine_logits_match_our_reference_forward_pass() {
     for path in [real_gguf(), real_lsm()] {
         let model = Model::load(&path).expect("load");
         let mut reference = Reference::new(&model.weights);
-        let mut session = Session::new(model.clone(), 32, Precision::Exact).expect("session");
+        let mut session =
+            Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
         let ids = model.tokenizer.encode(FIXTURE[0].prompt).expect("encode");
         for &t in &ids {
             let want = reference.forward(t);
@@ -92,8 +96,10 @@ fn engine_logits_match_our_reference_forward_pass() {
 fn fast_precision_stays_close_to_exact() {
     let model = Model::load(&real_gguf()).expect("load");
     for case in &FIXTURE {
-        let mut exact = Session::new(model.clone(), 32, Precision::Exact).expect("session");
-        let mut fast = Session::new(model.clone(), 32, Precision::Fast).expect("session");
+        let mut exact =
+            Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
+        let mut fast =
+            Session::new(model.clone(), 32, Precision::Fast, KvType::F32).expect("session");
         let (last, rest) = case.prompt_ids.split_last().expect("non-empty");
         for &t in rest {
             exact.forward(t).expect("forward");
@@ -118,7 +124,7 @@ fn fast_precision_stays_close_to_exact() {
 fn held_out_perplexity(path: &Path, precision: Precision) -> f64 {
     let model = Model::load(path).expect("load");
     let ids = model.tokenizer.encode(&heldout_text()).expect("encode");
-    let mut session = Session::new(model.clone(), 256, precision).expect("session");
+    let mut session = Session::new(model.clone(), 256, precision, KvType::F32).expect("session");
     let (nll, n) = score(&mut session, &ids[..256]).expect("score");
     (nll / n as f64).exp()
 }
@@ -142,8 +148,8 @@ fn batched_prefill_matches_token_by_token() {
     // does not begin at position 0.
     let (head, prompt) = (&ids[..3], &ids[3..48]);
     for precision in [Precision::Exact, Precision::Fast] {
-        let mut one = Session::new(model.clone(), 64, precision).expect("session");
-        let mut batched = Session::new(model.clone(), 64, precision).expect("session");
+        let mut one = Session::new(model.clone(), 64, precision, KvType::F32).expect("session");
+        let mut batched = Session::new(model.clone(), 64, precision, KvType::F32).expect("session");
         for &t in head {
             one.forward(t).expect("forward");
         }
@@ -170,7 +176,8 @@ fn batched_prefill_matches_token_by_token() {
 #[test]
 fn forward_batch_rejects_bad_input_before_any_work() {
     let model = Model::load(&real_gguf()).expect("load");
-    let mut session = Session::new(model.clone(), 4, Precision::Exact).expect("session");
+    let mut session =
+        Session::new(model.clone(), 4, Precision::Exact, KvType::F32).expect("session");
     assert!(session.forward_batch(&[]).is_err());
     assert!(session.forward_batch(&[1, 2, 3, 4, 5]).is_err());
     assert!(session.forward_batch(&[1, u32::MAX]).is_err());

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::model::{gguf, lsm, safetensors};
 use leanstream_engine::quant::DType;
@@ -15,7 +16,7 @@ const TOKENS: [u32; 12] = [1, 40, 41, 42, 100, 7, 7, 99, 3, 64, 127, 2];
 /// Logits of every position of `TOKENS`, from the engine.
 fn engine_logits(path: &Path, precision: Precision) -> Vec<Vec<f32>> {
     let model = Model::load(path).expect("load");
-    let mut s = Session::new(model, 64, precision).expect("session");
+    let mut s = Session::new(model, 64, precision, KvType::F32).expect("session");
     TOKENS
         .iter()
         .map(|&t| s.forward(t).expect("forward").to_vec())

@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
+use leanstream_engine::kv::KvType;
 use serde_json::json;
 
 use super::PrecisionArg;
@@ -24,6 +25,9 @@ pub struct PerplexityArgs {
     pub window: usize,
     #[arg(long, value_enum, default_value_t)]
     pub precision: PrecisionArg,
+    /// Element type of the KV cache: f16 (default), f32 or q8_0.
+    #[arg(long, default_value_t = KvType::default())]
+    pub kv_type: KvType,
     /// Compute threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -47,7 +51,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         );
     }
     let window = args.window.clamp(2, model.weights.config.context_length);
-    let mut session = Session::new(model.clone(), window, args.precision.into())?;
+    let mut session = Session::new(model.clone(), window, args.precision.into(), args.kv_type)?;
     let (mut nll, mut n) = (0.0, 0);
     for chunk in ids.chunks(window) {
         session.reset();
@@ -57,11 +61,18 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     }
     let mean = nll / n as f64;
     if args.json {
-        println!("{}", json!({"tokens": n, "nll": mean, "ppl": mean.exp()}));
+        let kv = args.kv_type.name();
+        println!(
+            "{}",
+            json!({"tokens": n, "nll": mean, "ppl": mean.exp(), "kv_type": kv,
+                   "session_bytes": session.bytes()})
+        );
     } else {
         println!(
-            "{n} tokens scored: mean NLL {mean:.4} nats, perplexity {:.3}",
-            mean.exp()
+            "{n} tokens scored: mean NLL {mean:.4} nats, perplexity {:.3} ({} KV cache, {} session bytes)",
+            mean.exp(),
+            args.kv_type,
+            session.bytes()
         );
     }
     Ok(())

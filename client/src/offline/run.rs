@@ -9,6 +9,7 @@ use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::forward::Model;
 use leanstream_engine::generate::generate;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::sample::SamplerConfig;
 use serde_json::json;
 
@@ -47,6 +48,9 @@ pub struct RunArgs {
     pub context: Option<usize>,
     #[arg(long, value_enum, default_value_t)]
     pub precision: PrecisionArg,
+    /// Element type of the KV cache: f16 (default), f32 or q8_0.
+    #[arg(long, default_value_t = KvType::default())]
+    pub kv_type: KvType,
     /// Compute threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -90,7 +94,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .context
         .unwrap_or(model.weights.config.context_length.min(4096));
     let backend = super::resolve_backend(args.backend)?;
-    let mut session = open_decoder(backend, &model, context, args.precision.into(), None)?;
+    let mut session = open_decoder(
+        backend,
+        &model,
+        context,
+        args.precision.into(),
+        args.kv_type,
+        None,
+    )?;
     let sampler = SamplerConfig {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -144,6 +155,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "prompt_tokens": stats.prompt_tokens,
                 "generated_tokens": stats.generated_tokens,
                 "precision": format!("{:?}", args.precision).to_lowercase(),
+                "kv_type": args.kv_type.name(),
+                "session_bytes": session.bytes(),
                 "backend": backend.name(),
                 "kernel": leanstream_engine::backend::cpu::kernel_name(),
             }

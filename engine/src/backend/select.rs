@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::cpu::Precision;
 use crate::forward::{Model, Session};
 use crate::generate::Decode;
+use crate::kv::KvType;
 use crate::pipeline::Executor;
 use crate::{Error, Result};
 
@@ -118,11 +119,13 @@ impl BackendChoice {
 /// A decoding session for `model` on `backend` with room for `context` tokens. On the GPU, a
 /// sparse pipeline `exec` (if any) moves its chunk computations there too and the model's FFN
 /// stays off the device (the pipeline streams it); without one the whole FFN is uploaded.
+/// The CPU stores keys and values as `kv`; the GPU keeps an f32 KV cache whatever `kv` says.
 pub fn open_decoder(
     backend: Backend,
     model: &Arc<Model>,
     context: usize,
     precision: Precision,
+    kv: KvType,
     exec: Option<&mut Executor>,
 ) -> Result<Box<dyn Decode>> {
     match backend {
@@ -130,10 +133,12 @@ pub fn open_decoder(
             Arc::clone(model),
             context,
             precision,
+            kv,
         )?)),
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
             use super::cuda::{CudaBackend, CudaModel, CudaSession};
+            let _ = kv;
             let gpu = Arc::new(CudaBackend::new()?);
             let dense = exec.is_none();
             if let Some(e) = exec {
@@ -144,7 +149,7 @@ pub fn open_decoder(
         }
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => {
-            let _ = exec;
+            let _ = (exec, kv);
             Err(Error::Cuda(
                 "this build has no CUDA backend (built without feature `cuda`)".into(),
             ))

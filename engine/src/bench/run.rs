@@ -36,7 +36,14 @@ impl Runner {
         precision: crate::backend::cpu::Precision,
         mut exec: Option<Executor>,
     ) -> Result<Runner> {
-        let decoder = open_decoder(backend, model, ctx, precision, exec.as_mut())?;
+        let decoder = open_decoder(
+            backend,
+            model,
+            ctx,
+            precision,
+            crate::kv::KvType::default(),
+            exec.as_mut(),
+        )?;
         Ok(Runner { decoder, exec })
     }
 

@@ -90,33 +90,3 @@ pub fn rope(x: &mut [f32], head_dim: usize, table: &[(f32, f32)], style: RopeSty
         }
     }
 }
-
-/// One query head's decode attention over `scores.len()` cached positions: `scores[p]` becomes
-/// the softmax of `q·k_p / sqrt(head_dim)` and `out` the scores' weighted sum of values. Key and
-/// value `p` of this head are `keys[p * kv_stride + kv_off..][..q.len()]` (and the same in
-/// `values`).
-///
-/// Panics if the caches hold fewer positions than `scores`, or `out` and `q` differ in length.
-pub fn attend(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    kv_stride: usize,
-    kv_off: usize,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let hd = q.len();
-    assert_eq!(out.len(), hd, "attention output of one head");
-    let scale = 1.0 / (hd as f32).sqrt();
-    for (p, sc) in scores.iter_mut().enumerate() {
-        let kh = &keys[p * kv_stride + kv_off..][..hd];
-        *sc = q.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
-    }
-    softmax_inplace(scores);
-    out.fill(0.0);
-    for (p, &sc) in scores.iter().enumerate() {
-        let vh = &values[p * kv_stride + kv_off..][..hd];
-        out.iter_mut().zip(vh).for_each(|(o, v)| *o += sc * v);
-    }
-}

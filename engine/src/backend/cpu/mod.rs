@@ -19,6 +19,7 @@
 //! # Allocation
 //! No kernel allocates. [`QuantizedActs`] is sized once; the mat-vecs write into caller buffers.
 
+mod attend;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod dense;
@@ -32,7 +33,8 @@ use std::sync::OnceLock;
 use crate::model::QRows;
 use crate::quant::{DType, QK};
 
-pub use dense::{add_inplace, attend, rmsnorm, rope, silu_mul, softmax_inplace};
+pub use attend::{KvRows, KvSpan, attend, attend_spans};
+pub use dense::{add_inplace, rmsnorm, rope, silu_mul, softmax_inplace};
 pub use matvec::{Disjoint, for_each_chunk};
 
 /// Activation precision of quantised dot products.
@@ -94,6 +96,18 @@ impl QuantizedActs {
         self.blocks.clear();
         self.blocks.resize(x.len().div_ceil(QK), Q8Block::ZERO);
         (k.quantize)(x, &mut self.blocks);
+    }
+
+    /// Heap bytes [`QuantizedActs::new`]`(max_len)` allocates.
+    pub fn bytes_for(max_len: usize) -> u64 {
+        (max_len * std::mem::size_of::<f32>()
+            + max_len.div_ceil(QK) * std::mem::size_of::<Q8Block>()) as u64
+    }
+
+    /// Heap bytes held now (the capacities of both buffers).
+    pub fn bytes(&self) -> u64 {
+        (self.x.capacity() * std::mem::size_of::<f32>()
+            + self.blocks.capacity() * std::mem::size_of::<Q8Block>()) as u64
     }
 
     /// Number of activations held.

@@ -324,6 +324,19 @@ impl CudaSession {
             + c.vocab_size)
     }
 
+    /// Bytes this session holds on the host (its staging buffers, from their capacities).
+    pub fn host_bytes(&self) -> usize {
+        [
+            &self.host_x,
+            &self.host_xn,
+            &self.host_out,
+            &self.host_logits,
+        ]
+        .iter()
+        .map(|v| v.capacity() * std::mem::size_of::<f32>())
+        .sum()
+    }
+
     /// Tokens in the KV cache.
     pub fn position(&self) -> usize {
         self.pos
@@ -553,6 +566,32 @@ impl crate::generate::Decode for CudaSession {
         CudaSession::forward_with(self, token, exec)
     }
     fn reset(&mut self) {
+        CudaSession::reset(self)
+    }
+    /// Host staging buffers plus this session's device memory: the device KV cache is f32 and
+    /// reserved whole at open (on Jetson device memory is the same DRAM), so it never grows.
+    fn bytes(&self) -> u64 {
+        (self.host_bytes() + self.own_device_bytes()) as u64
+    }
+    /// Always 0: the device KV cache holds `max_context` tokens from the start.
+    fn kv_growth_bytes(&self, _tokens: usize) -> u64 {
+        0
+    }
+    fn grow_kv(&mut self, tokens: usize) -> Result<()> {
+        if self.pos.saturating_add(tokens) > self.max_context {
+            return Err(Error::InvalidArgument {
+                arg: "tokens",
+                reason: format!(
+                    "{tokens} more tokens do not fit in the context ({} of {} free)",
+                    self.max_context - self.pos,
+                    self.max_context
+                ),
+            });
+        }
+        Ok(())
+    }
+    /// Forgets the conversation; the device KV cache stays reserved (it is one allocation).
+    fn release_kv(&mut self) {
         CudaSession::reset(self)
     }
     fn device_bytes(&self) -> Option<u64> {

@@ -96,7 +96,13 @@ fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
     )
     .unwrap();
     exec.measure_recall(true);
-    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).unwrap();
+    let mut s = Session::new(
+        Arc::clone(&sm.model),
+        64,
+        Precision::Exact,
+        crate::kv::KvType::F32,
+    )
+    .unwrap();
     let mut next = 0;
     for &t in &ids {
         next = argmax(s.forward_with(t, &mut exec).unwrap());

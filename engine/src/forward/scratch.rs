@@ -1,0 +1,127 @@
+//! A session's scratch buffers: sized once at open for [`MAX_BATCH`] tokens, never reallocated,
+//! and able to say what they hold.
+
+use std::mem::size_of;
+
+use super::MAX_BATCH;
+use crate::backend::cpu::QuantizedActs;
+use crate::model::ModelConfig;
+
+/// Per-session scratch, sized once for [`MAX_BATCH`] tokens. Per-token buffers are token-major:
+/// token `t` of a batch owns `[t * len..(t + 1) * len]`.
+#[derive(Debug)]
+pub(super) struct Scratch {
+    pub x: Vec<f32>,           // (MAX_BATCH, d_model) residual stream
+    pub xn: Vec<f32>,          // (MAX_BATCH, d_model) normalised input of a sub-block
+    pub q: Vec<f32>,           // (MAX_BATCH, q_dim)
+    pub k: Vec<f32>,           // (MAX_BATCH, kv_dim)
+    pub v: Vec<f32>,           // (MAX_BATCH, kv_dim)
+    pub att: Vec<f32>,         // (MAX_BATCH, q_dim) attention output, all heads
+    pub scores: Vec<f32>,      // (n_heads, max_context) attention weights
+    pub proj: Vec<f32>, // (MAX_BATCH, d_model) output of a projection before the residual add
+    pub gate: Vec<f32>, // (MAX_BATCH, n_ff)
+    pub up: Vec<f32>,   // (MAX_BATCH, n_ff)
+    pub partials: Vec<f32>, // (n_parts, d_model) per-task sums of neuron-major down columns
+    pub logits: Vec<f32>, // (vocab) of the last token of a batch
+    pub acts: QuantizedActs, // (MAX_BATCH, longest input) activations quantised for Fast
+    pub inv_freq: Vec<f32>, // (head_dim / 2) RoPE frequencies
+    pub rope: Vec<(f32, f32)>, // (MAX_BATCH, head_dim / 2) (sin, cos) of each token's position
+}
+
+/// The length of every scratch buffer, in elements: the one place their sizes are decided, so
+/// the bytes a session will allocate are known before it is opened.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    d_model: usize,  // x, xn, proj per token
+    q_dim: usize,    // q, att per token
+    kv_dim: usize,   // k, v per token
+    n_ff: usize,     // gate, up per token
+    scores: usize,   // n_heads * max_context
+    partials: usize, // n_parts * d_model
+    vocab: usize,    // logits
+    acts: usize,     // longest activation vector of a batch
+    half: usize,     // head_dim / 2: inv_freq, and rope per token
+}
+
+impl Shape {
+    /// Scratch for `c` with `max_context` positions and `n_parts` down-projection tasks.
+    pub fn new(c: &ModelConfig, max_context: usize, n_parts: usize) -> Shape {
+        Shape {
+            d_model: c.d_model,
+            q_dim: c.q_dim(),
+            kv_dim: c.kv_dim(),
+            n_ff: c.n_ff,
+            scores: c.n_heads * max_context,
+            partials: n_parts * c.d_model,
+            vocab: c.vocab_size,
+            acts: MAX_BATCH * c.d_model.max(c.n_ff).max(c.q_dim()),
+            half: c.head_dim / 2,
+        }
+    }
+
+    /// Heap bytes [`Scratch::new`] allocates for this shape.
+    pub fn bytes(&self) -> u64 {
+        let b = MAX_BATCH;
+        let floats = 3 * b * self.d_model
+            + 2 * b * self.q_dim
+            + 2 * b * self.kv_dim
+            + 2 * b * self.n_ff
+            + self.scores
+            + self.partials
+            + self.vocab
+            + self.half;
+        (floats * size_of::<f32>() + b * self.half * size_of::<(f32, f32)>()) as u64
+            + QuantizedActs::bytes_for(self.acts)
+    }
+}
+
+impl Scratch {
+    /// Allocates the buffers of `shape`; `rope_base` and `head_dim` set the RoPE frequencies.
+    pub fn new(shape: &Shape, rope_base: f32, head_dim: usize) -> Scratch {
+        let b = MAX_BATCH;
+        let inv_freq: Vec<f32> = (0..shape.half)
+            .map(|i| rope_base.powf(-2.0 * i as f32 / head_dim as f32))
+            .collect();
+        Scratch {
+            x: vec![0.0; b * shape.d_model],
+            xn: vec![0.0; b * shape.d_model],
+            q: vec![0.0; b * shape.q_dim],
+            k: vec![0.0; b * shape.kv_dim],
+            v: vec![0.0; b * shape.kv_dim],
+            att: vec![0.0; b * shape.q_dim],
+            scores: vec![0.0; shape.scores],
+            proj: vec![0.0; b * shape.d_model],
+            gate: vec![0.0; b * shape.n_ff],
+            up: vec![0.0; b * shape.n_ff],
+            partials: vec![0.0; shape.partials],
+            logits: vec![0.0; shape.vocab],
+            acts: QuantizedActs::new(shape.acts),
+            rope: vec![(0.0, 1.0); b * shape.half],
+            inv_freq,
+        }
+    }
+
+    /// Heap bytes held now, from the buffers' capacities.
+    pub fn bytes(&self) -> u64 {
+        let floats = [
+            &self.x,
+            &self.xn,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.scores,
+            &self.proj,
+            &self.gate,
+            &self.up,
+            &self.partials,
+            &self.logits,
+            &self.inv_freq,
+        ]
+        .iter()
+        .map(|v| v.capacity())
+        .sum::<usize>();
+        (floats * size_of::<f32>() + self.rope.capacity() * size_of::<(f32, f32)>()) as u64
+            + self.acts.bytes()
+    }
+}
