@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::select::{BackendChoice, cuda_available};
+use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::Mode;
 use serde::Deserialize;
 
@@ -118,6 +119,7 @@ pub struct RawModels {
 pub struct RawModel {
     pub mode: Option<String>,
     pub priority: Option<String>,
+    pub kv_type: Option<String>,
     pub sparsity: Option<f64>,
     pub cache_share: Option<f64>,
 }
@@ -133,6 +135,7 @@ pub struct RawMemory {
 pub struct RawEngine {
     pub sparsity: Option<f64>,
     pub priority: Option<String>,
+    pub kv_type: Option<String>,
     pub mode: Option<String>,
     pub cache_share: Option<f64>,
     pub io_threads: Option<usize>,
@@ -173,6 +176,8 @@ pub struct ModelParams {
     /// Which neuron caches yield memory first: a model's cache is served after those of
     /// higher-priority models (`background` < `normal` < `interactive`). Default `normal`.
     pub priority: Priority,
+    /// Element type of its sessions' KV caches: `f16` (default), `f32` or `q8_0`.
+    pub kv_type: KvType,
     /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
     /// `engine.sparsity`, …).
     pub mode_key: String,
@@ -258,6 +263,7 @@ impl Params {
                 .unwrap_or(DEFAULT_CACHE_SHARE),
             priority: parse_priority("engine.priority", e.priority.as_deref())?
                 .unwrap_or_default(),
+            kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
             cache_share_key: "engine.cache_share".into(),
@@ -390,6 +396,15 @@ fn parse_priority(key: &str, value: Option<&str>) -> Result<Option<Priority>, Co
         .transpose()
 }
 
+fn parse_kv_type(key: &str, value: Option<&str>) -> Result<Option<KvType>, ConfigError> {
+    value
+        .map(|t| {
+            t.parse::<KvType>()
+                .map_err(|e: leanstream_engine::Error| bad(key, e.to_string()))
+        })
+        .transpose()
+}
+
 fn check_sparsity(key: &str, value: Option<f64>) -> Result<Option<f64>, ConfigError> {
     match value {
         Some(s) if !(s.is_finite() && (0.0..1.0).contains(&s)) => Err(bad(
@@ -438,6 +453,7 @@ fn model_params(
     let sparsity = check_sparsity(&key("sparsity"), m.sparsity)?;
     let cache_share = check_cache_share(&key("cache_share"), m.cache_share)?;
     let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
+    let kv_type = parse_kv_type(&key("kv_type"), m.kv_type.as_deref())?;
     let effective = mode.unwrap_or(engine.mode);
     if sparsity.is_some() && effective == Mode::Dense {
         return Err(bad(
@@ -474,6 +490,7 @@ fn model_params(
         sparsity: sparsity.or(engine.sparsity),
         cache_share: cache_share.unwrap_or(engine.cache_share),
         priority: priority.unwrap_or(engine.priority),
+        kv_type: kv_type.unwrap_or(engine.kv_type),
     })
 }
 
@@ -527,6 +544,7 @@ mod tests {
             ("[limits]\nmax_sessions = 0", "limits.max_sessions"),
             ("[limits]\nmax_sessions_per_client = 0", "limits.max_sessions_per_client"),
             ("[engine]\npriority = \"urgent\"", "engine.priority"),
+            ("[engine]\nkv_type = \"f8\"", "engine.kv_type"),
             ("[models.m]\npriority = \"low\"", "models.m.priority"),
             ("[limits]\nmax_sesions = 4", "max_sesions"),
         ];

@@ -685,6 +685,7 @@ mod tests {
     use std::sync::Mutex;
 
     use leanstream_engine::backend::cpu::Precision;
+    use leanstream_engine::kv::KvType;
     use leanstream_engine::io::{DirectFile, Fault, FaultKind, FaultyReader, ThreadPoolIo};
     use leanstream_engine::pipeline::{
         Executor, Mode, Policy, Selector, SparseModel, StreamingFfn,
@@ -704,12 +705,22 @@ mod tests {
 
     impl SessionBudget for Limit {
         fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
-            if bytes <= self.0 {
+            SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(self.0))).resize(id, bytes)
+        }
+    }
+
+    /// A limit the test can change while the scheduler runs.
+    #[derive(Clone)]
+    struct SharedLimit(Arc<std::sync::atomic::AtomicU64>);
+
+    impl SessionBudget for SharedLimit {
+        fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
+            let limit = self.0.load(std::sync::atomic::Ordering::SeqCst);
+            if bytes <= limit {
                 Ok(())
             } else {
                 Err(LeanStreamError::OverBudget(format!(
-                    "session {id} needs {bytes} bytes, over {}",
-                    self.0
+                    "session {id} needs {bytes} bytes, over {limit}"
                 )))
             }
         }
@@ -729,7 +740,9 @@ mod tests {
         let mut readers = Vec::new();
         for (i, (model, prompt)) in runs.iter().enumerate() {
             let id = i as SessionId + 1;
-            let session = model.open_session(64, Precision::Exact).unwrap();
+            let session = model
+                .open_session(64, Precision::Exact, KvType::F32)
+                .unwrap();
             let model = Arc::clone(model);
             engine
                 .tx
@@ -777,6 +790,77 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Starts a generation of `prompt` on session `id` and returns its stream's events.
+    fn run_one(engine: &Engine, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
+        let (mut read, out) = std::io::pipe().unwrap();
+        let (reply, accepted) = tokio::sync::oneshot::channel();
+        let spec = GenSpec {
+            max_tokens: TOKENS,
+            sampler: SamplerConfig::default(),
+            stop: Vec::new(),
+        };
+        let input = Input::Text(prompt.to_string());
+        let cmd = EngineCmd::Generate {
+            id,
+            input,
+            spec,
+            out,
+            reply,
+        };
+        engine.tx.send(cmd).unwrap();
+        accepted.blocking_recv().unwrap().unwrap();
+        let mut text = String::new();
+        read.read_to_string(&mut text).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_kv_block_over_budget_ends_the_generation_and_the_session_stays_usable() {
+        let fx = Fixture::new();
+        let file = fx.gguf("tiny");
+        let model = Arc::new(load(&fx, &file, ""));
+        let session = model.open_session(64, Precision::Exact, KvType::F16).unwrap();
+        let open_bytes = session.bytes();
+        let block = session.kv_growth_bytes(1);
+        assert!(block > 0, "a new session holds no KV block");
+        let limit = SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(open_bytes)));
+        let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = Engine::start(events, Box::new(limit.clone())).unwrap();
+        let id = 1;
+        let cmd = EngineCmd::Open {
+            id,
+            model: Arc::clone(&model),
+            session,
+        };
+        engine.tx.send(cmd).unwrap();
+        // No room for the first block: the generation ends at once, naming the budget.
+        let refused = run_one(&engine, id, PROMPT);
+        assert!(
+            matches!(refused.as_slice(), [StreamEvent::Error { name, .. }] if name == "OverBudget"),
+            "{refused:?}"
+        );
+        // With room for one block the same session generates as usual.
+        limit
+            .0
+            .store(open_bytes + block, std::sync::atomic::Ordering::SeqCst);
+        let served = run_one(&engine, id, PROMPT);
+        assert!(
+            matches!(served.last(), Some(StreamEvent::Done { .. })),
+            "{served:?}"
+        );
+        assert_eq!(ids(&served).len(), TOKENS);
+        engine.tx.send(EngineCmd::Close { id }).unwrap();
+        engine.tx.send(EngineCmd::Shutdown).unwrap();
+        engine.thread.join().unwrap();
+        let mut dropped = false;
+        while let Ok(ev) = events_rx.try_recv() {
+            dropped |= matches!(ev, EngineEvent::Dropped { id: 1 });
+        }
+        assert!(dropped, "closing reports that the session's memory is free");
     }
 
     #[test]

@@ -16,6 +16,7 @@ use leanstream_engine::backend::cuda::CudaModel;
 use leanstream_engine::chat::ChatTemplate;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::Decode;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::model::map_file;
 use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
@@ -161,6 +162,7 @@ impl LoadedModel {
         &self,
         context: usize,
         precision: Precision,
+        kv: KvType,
     ) -> leanstream_engine::Result<Box<dyn Decode + Send>> {
         #[cfg(feature = "cuda")]
         if let Some(m) = &self.gpu {
@@ -171,7 +173,7 @@ impl LoadedModel {
             Arc::clone(&self.model),
             context,
             precision,
-            leanstream_engine::kv::KvType::default(),
+            kv,
         )?))
     }
 

@@ -15,7 +15,7 @@ use leanstream::contract::{
     ClientMemory, LeanStreamError, MemoryReport, ModelInfo, ModelMemory, SESSION_PATH_PREFIX,
     SessionMemory, SessionStats,
 };
-use leanstream_engine::forward::kv_cache_bytes;
+use leanstream_engine::forward::session_open_bytes;
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
@@ -210,30 +210,6 @@ fn path_of(id: SessionId) -> OwnedObjectPath {
     #[allow(clippy::expect_used)]
     OwnedObjectPath::try_from(format!("{SESSION_PATH_PREFIX}/{id}"))
         .expect("broken invariant: a session path is always valid")
-}
-
-/// Bytes a session holds: its KV cache plus the per-token scratch of `Session`.
-pub fn session_bytes(model: &LoadedModel, context: usize, threads: usize) -> u64 {
-    let c = &model.model.weights.config;
-    let floats = 2 * c.d_model
-        + 2 * c.q_dim()
-        + 2 * c.kv_dim()
-        + c.n_heads * context
-        + c.d_model
-        + 2 * c.n_ff
-        + threads * c.d_model
-        + c.vocab_size
-        + c.head_dim / 2;
-    let acts = c.d_model.max(c.n_ff).max(c.q_dim()) * 2;
-    (kv_cache_bytes(&model.model.weights, context) + floats * 4 + acts) as u64
-}
-
-/// Threads of the rayon pool (the engine keeps one partial sum per thread).
-fn compute_threads(params: &Params) -> usize {
-    match params.compute_threads {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    }
 }
 
 impl<M: Memory> State<M> {
@@ -752,20 +728,31 @@ impl<M: Memory> State<M> {
             )));
         }
         let id = self.next_id;
-        let bytes = session_bytes(model, context, compute_threads(&self.params));
-        let priority = self.params.model(&model.name).priority;
+        let p = self.params.model(&model.name);
+        // What the engine will allocate for a new session (its scratch; KV blocks come later,
+        // each reserved by the scheduler before it is allocated).
+        let bytes = session_open_bytes(&model.model, context, p.kv_type);
         self.memory
-            .open_session(id, &model.name, &client, bytes, priority)
+            .open_session(id, &model.name, &client, bytes, p.priority)
             .map_err(|e| LeanStreamError::OverBudget(e.to_string()))?;
         // Caches may have shrunk to make room: free that before the session allocates.
         self.apply_cache_grants();
-        let session = match model.open_session(context, self.params.precision) {
+        let session = match model.open_session(context, self.params.precision, p.kv_type) {
             Ok(s) => s,
             Err(e) => {
                 self.memory.close_session(id);
                 return Err(LeanStreamError::Internal(e.to_string()));
             }
         };
+        // The session says what it holds; on the GPU that includes device buffers the CPU
+        // estimate does not know.
+        let held = session.bytes();
+        if held != bytes
+            && let Err(e) = self.memory.resize_session(id, held)
+        {
+            self.memory.close_session(id);
+            return Err(LeanStreamError::OverBudget(e.to_string()));
+        }
         self.next_id += 1;
         let _ = self.engine.send(EngineCmd::Open {
             id,
@@ -773,7 +760,7 @@ impl<M: Memory> State<M> {
             session,
         });
         tracing::info!(
-            "session {id} on {} for {client}: {context} tokens, {bytes} bytes",
+            "session {id} on {} for {client}: up to {context} tokens, {held} bytes at open",
             model.name
         );
         self.sessions.insert(
