@@ -1,7 +1,7 @@
 //! An indexed binary min-heap of slots keyed by retention: the eviction index of the neuron cache.
 //!
-//! O(log n) insert, remove, re-key; O(1) minimum; no allocation after construction (all three
-//! vectors are sized to the slot count up front).
+//! O(log n) insert, remove, re-key; O(1) minimum; no allocation after construction or a
+//! [`EvictionHeap::resize`] (all three vectors are sized to the slot count up front).
 
 /// Marks a slot that is not in the heap.
 const ABSENT: u32 = u32::MAX;
@@ -33,7 +33,19 @@ impl EvictionHeap {
         }
     }
 
-    #[cfg(test)]
+    /// Makes the heap one for slots `0..n`. Panics if a slot `>= n` is in it (the cache moves or
+    /// evicts the slots it removes first).
+    pub(crate) fn resize(&mut self, n: usize) {
+        assert!(
+            self.heap.iter().all(|&s| (s as usize) < n),
+            "resizing the eviction heap to {n} slots while a higher slot is in it"
+        );
+        self.key.resize(n, 0);
+        self.pos.resize(n, ABSENT);
+        self.heap.reserve(n.saturating_sub(self.heap.len()));
+    }
+
+    /// Slots in the heap.
     pub(crate) fn len(&self) -> usize {
         self.heap.len()
     }

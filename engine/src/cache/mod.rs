@@ -1,13 +1,22 @@
-//! The neuron cache: a fixed arena of equal, page-aligned slots holding FFN neuron chunks read from
-//! the model file, with retention priorities deciding what to evict.
+//! The neuron cache: an arena of equal, page-aligned slots holding FFN neuron chunks read from
+//! the model file, with retention priorities deciding what to evict, and a slot count that can
+//! change between reads (elastic caches).
 //!
 //! Owned by the single engine thread, so it has no locks: the I/O workers only ever see a slot as a
 //! [`ReadTarget`](crate::io::ReadTarget) between [`NeuronCache::reserve`] and [`NeuronCache::complete`]. Everything is
-//! sized at construction; the per-token path allocates nothing.
+//! sized at construction or by [`NeuronCache::resize`]; the per-token path allocates nothing.
 //!
 //! Slot life cycle: Free → (`reserve`) Loading → (`complete(ok)`) Ready → (eviction, `evict`,
 //! `clear`) Free; a failed or cancelled read goes Loading → Free (`complete(false)`, `abandon`).
+//!
+//! Resizing (`resize`, never while a removed slot is Loading): growing appends Free slots;
+//! shrinking evicts Ready chunks, lowest retention first, until the chunks fit, moves the Ready
+//! chunks of removed slots into Free slots below the new end (a chunk keeps its state, pins and
+//! counters; only its slot id changes), and gives the removed slots' memory back to the OS. The
+//! arena is one reserved address range whose usable prefix is the slots (see `arena`), so the
+//! slots stay contiguous at a fixed address for a device registration.
 
+mod arena;
 mod heap;
 mod neuron;
 #[cfg(test)]
@@ -54,7 +63,7 @@ pub struct CacheStats {
     pub bytes_loaded: u64,
     /// Bytes loaded and then evicted or cleared without ever being accessed.
     pub bytes_unused: u64,
-    /// Number of slots (fixed).
+    /// Number of slots now (changed by `resize`).
     pub capacity_slots: u64,
     /// Bytes per slot (fixed, a multiple of [`PAGE`](crate::io::PAGE)).
     pub slot_bytes: u64,

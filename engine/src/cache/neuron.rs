@@ -2,10 +2,14 @@
 
 use std::ptr::NonNull;
 
+mod resize;
+
+use super::arena::Arena;
 use super::heap::{EvictionHeap, retention_key};
 use super::{CacheStats, ChunkId, Evict, Lookup, SlotId};
-use crate::io::{AlignedBuf, PAGE, ReadTarget};
+use crate::io::{PAGE, ReadTarget};
 use crate::{Error, Result};
+use resize::slots_for;
 
 /// Marks "no slot" in `slot_of` and "no chunk" in a free slot.
 const NONE: u32 = u32::MAX;
@@ -44,15 +48,19 @@ const FREE_SLOT: Slot = Slot {
 ///   one slot, a slot holds at most one chunk);
 /// - the free list holds exactly the Free slots; the eviction heap exactly the Ready, unpinned
 ///   slots, keyed by retention;
-/// - `base` points at the arena; slot `s` is bytes `s*slot_bytes..(s+1)*slot_bytes`.
+/// - `base` points at the arena; slot `s` is bytes `s*slot_bytes..(s+1)*slot_bytes`, and the
+///   arena's usable prefix is exactly the `slots.len()` slots (the rest is released);
+/// - `floor_slots <= slots.len() <= total_chunks` (unless the cache holds every chunk).
 #[derive(Debug)]
 pub struct NeuronCache {
-    /// Owns the memory `base` points into; never touched through this field after construction,
-    /// so that slices of Ready slots and I/O writes into Loading slots never alias a whole-arena
-    /// borrow.
-    _arena: AlignedBuf,
+    /// Owns the memory `base` points into; only ever used to commit or release whole slot
+    /// ranges, so that slices of Ready slots and I/O writes into Loading slots never alias a
+    /// whole-arena borrow.
+    arena: Arena,
     base: NonNull<u8>,
     slot_bytes: usize,
+    /// The fewest slots the cache may have (`min_slots` of `new`, capped at `total_chunks`).
+    floor_slots: usize,
     slot_of: Vec<u32>,
     slots: Vec<Slot>,
     free: Vec<SlotId>,
@@ -70,7 +78,11 @@ unsafe impl Sync for NeuronCache {}
 
 impl NeuronCache {
     /// A cache for chunks `0..total_chunks` of `slot_bytes` each (a positive multiple of [`PAGE`]),
-    /// with as many slots as `budget_bytes` holds (never more than `total_chunks`).
+    /// with as many slots as `budget_bytes` holds (never more than `total_chunks`). `min_slots`
+    /// is its floor: the fewest slots it may ever have, here and in [`NeuronCache::resize`].
+    ///
+    /// Address space for `total_chunks` slots is reserved; memory only for the slots the budget
+    /// gives, and only as reads fill them (see the `arena` module).
     ///
     /// Fails with [`Error::OverBudget`], naming the bytes needed, when the budget holds fewer than
     /// `min_slots` slots (or all chunks, if fewer); with [`Error::InvalidArgument`] on a bad slot
@@ -93,25 +105,30 @@ impl NeuronCache {
                 reason: format!("{total_chunks} does not fit chunk ids (u32)"),
             });
         }
-        let fits = usize::try_from(budget_bytes / slot_bytes as u64).unwrap_or(usize::MAX);
-        let need = min_slots.min(total_chunks);
-        if fits < need {
-            return Err(Error::OverBudget {
-                what: format!("a neuron cache of {need} slots of {slot_bytes} bytes"),
-                needed: need as u64 * slot_bytes as u64,
-                budget: budget_bytes,
-            });
-        }
-        let n = fits.min(total_chunks);
-        let mut arena = AlignedBuf::zeroed(n * slot_bytes).map_err(|source| Error::Os {
-            what: format!("allocating a neuron cache of {n} slots of {slot_bytes} bytes"),
+        let floor_slots = min_slots.min(total_chunks);
+        let n = slots_for(budget_bytes, slot_bytes, total_chunks, floor_slots)?;
+        let os = |source| Error::Os {
+            what: format!(
+                "reserving a neuron cache arena of {total_chunks} slots of {slot_bytes} bytes"
+            ),
             source,
-        })?;
-        let base = NonNull::new(arena.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        };
+        let reserve = total_chunks
+            .checked_mul(slot_bytes)
+            .ok_or_else(|| os(std::io::Error::from(std::io::ErrorKind::OutOfMemory)))?;
+        let arena = Arena::new(reserve).map_err(os)?;
+        arena
+            .commit(0..n * slot_bytes)
+            .map_err(|source| Error::Os {
+                what: format!("committing a neuron cache of {n} slots of {slot_bytes} bytes"),
+                source,
+            })?;
+        let base = arena.base();
         Ok(NeuronCache {
-            _arena: arena,
+            arena,
             base,
             slot_bytes,
+            floor_slots,
             slot_of: vec![NONE; total_chunks],
             slots: vec![FREE_SLOT; n],
             free: (0..n as u32).rev().collect(),
@@ -141,9 +158,36 @@ impl NeuronCache {
         self.slot_bytes
     }
 
-    /// Bytes of the arena (slots × slot bytes), resident or not: what the cache costs the budget.
+    /// Bytes of the arena (slots × slot bytes), resident or not: what the cache costs the budget,
+    /// and an upper bound of its resident memory (the arena beyond the slots is released).
     pub fn resident_bytes(&self) -> u64 {
         self.slots.len() as u64 * self.slot_bytes as u64
+    }
+
+    /// The fewest slots the cache may have ([`NeuronCache::new`]'s `min_slots`, capped at the
+    /// chunk count).
+    pub fn floor_slots(&self) -> usize {
+        self.floor_slots
+    }
+
+    /// [`NeuronCache::floor_slots`] in bytes.
+    pub fn floor_bytes(&self) -> u64 {
+        self.floor_slots as u64 * self.slot_bytes as u64
+    }
+
+    /// Bytes of the whole arena reservation whose pages are resident now, as the kernel reports
+    /// (`mincore`). For tests and benchmarks that check memory really leaves on a shrink; the
+    /// budget uses [`NeuronCache::resident_bytes`].
+    pub fn measured_resident_bytes(&self) -> Result<u64> {
+        let reserved = self.total_chunks() * self.slot_bytes;
+        let bytes = self
+            .arena
+            .resident_bytes(0..reserved)
+            .map_err(|source| Error::Os {
+                what: "counting the neuron cache's resident pages (mincore)".into(),
+                source,
+            })?;
+        Ok(bytes as u64)
     }
 
     /// Number of chunks the cache was made for.
@@ -416,6 +460,25 @@ impl NeuronCache {
     /// Checks every structural invariant; panics naming the broken one.
     #[cfg(test)]
     pub(super) fn check_invariants(&self) {
+        assert!(
+            self.floor_slots <= self.slots.len() && self.slots.len() <= self.total_chunks(),
+            "capacity {} outside floor {} ..= chunks {}",
+            self.slots.len(),
+            self.floor_slots,
+            self.total_chunks()
+        );
+        assert_eq!(
+            self.stats.capacity_slots,
+            self.slots.len() as u64,
+            "reported capacity"
+        );
+        let mut listed = vec![false; self.slots.len()];
+        for &s in &self.free {
+            assert!(
+                !std::mem::replace(&mut listed[s as usize], true),
+                "slot {s} listed free twice"
+            );
+        }
         let mut free = 0;
         for (s, st) in self.slots.iter().enumerate() {
             let s = s as u32;
@@ -438,6 +501,10 @@ impl NeuronCache {
         );
         for (c, &s) in self.slot_of.iter().enumerate() {
             if s != NONE {
+                assert!(
+                    (s as usize) < self.slots.len(),
+                    "chunk {c} in removed slot {s}"
+                );
                 assert_eq!(self.slots[s as usize].chunk as usize, c, "chunk {c} ↔ slot");
             }
         }

@@ -167,6 +167,161 @@ fn data_of_a_loading_slot_is_a_broken_invariant() {
     let _ = c.data(s);
 }
 
+#[test]
+fn shrinking_keeps_the_highest_retention_chunks_with_their_bytes() {
+    let mut c = NeuronCache::new(20, SB, (10 * SB) as u64, 2).expect("cache");
+    // Chunk i has retention i, except chunk 0: lowest retention, but pinned.
+    for ch in 0..10u32 {
+        load(&mut c, ch, ch as f32);
+    }
+    assert!(c.pin(0));
+    c.begin_token();
+    assert_eq!(c.resize((4 * SB) as u64).expect("shrink"), (4 * SB) as u64);
+    c.check_invariants();
+    let kept: Vec<u32> = (0..20)
+        .filter(|&ch| c.lookup(ch) != Lookup::Absent)
+        .collect();
+    assert_eq!(
+        kept,
+        [0, 7, 8, 9],
+        "the pinned chunk and the three most valued"
+    );
+    for &ch in &kept {
+        let d = c.data_of(ch).expect("Ready");
+        assert_eq!(
+            (&d[..4], &d[SB - 4..]),
+            (&ch.to_le_bytes()[..], &ch.to_le_bytes()[..])
+        );
+        assert_eq!(c.access(ch), c.lookup(ch));
+    }
+    let st = c.stats();
+    assert_eq!((st.evictions, st.capacity_slots), (6, 4));
+    assert_eq!(
+        (st.hits, st.misses),
+        (4, 0),
+        "moved chunks stay loaded before this token"
+    );
+    assert_eq!(c.resident_bytes(), (4 * SB) as u64);
+}
+
+#[test]
+fn growing_adds_free_slots_and_caps_at_every_chunk() {
+    let mut c = NeuronCache::new(12, SB, (3 * SB) as u64, 2).expect("cache");
+    load(&mut c, 5, 1.0);
+    assert_eq!(c.resize(u64::MAX).expect("grow"), (12 * SB) as u64);
+    assert_eq!(c.capacity_slots(), 12);
+    for ch in 0..12u32 {
+        if ch != 5 {
+            load(&mut c, ch, 0.0);
+        }
+    }
+    assert_eq!(c.len(), 12);
+    assert_eq!(c.stats().evictions, 0, "every chunk fits");
+    assert_eq!(&c.data_of(5).expect("kept")[..4], &5u32.to_le_bytes());
+    c.check_invariants();
+}
+
+#[test]
+fn a_resize_below_the_floor_is_refused_and_changes_nothing() {
+    let mut c = NeuronCache::new(12, SB, (6 * SB) as u64, 3).expect("cache");
+    for ch in 0..6u32 {
+        load(&mut c, ch, ch as f32);
+    }
+    let before = c.stats();
+    let err = c.resize((3 * SB - 1) as u64).expect_err("below the floor");
+    assert!(
+        matches!(err, Error::OverBudget { needed, budget, .. }
+            if needed == (3 * SB) as u64 && budget == (3 * SB - 1) as u64),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&(3 * SB).to_string()) && msg.contains(&(3 * SB - 1).to_string()),
+        "{msg}"
+    );
+    assert_eq!(c.stats(), before);
+    assert_eq!(c.len(), 6);
+    assert_eq!(c.floor_bytes(), (3 * SB) as u64);
+    assert_eq!(
+        c.resize((3 * SB) as u64).expect("the floor itself"),
+        (3 * SB) as u64
+    );
+}
+
+#[test]
+fn shrinking_never_removes_a_slot_a_read_is_filling() {
+    let mut c = NeuronCache::new(12, SB, (4 * SB) as u64, 1).expect("cache");
+    load(&mut c, 0, 0.0);
+    load(&mut c, 1, 0.0);
+    let (s, t) = c.reserve(2, 0.0, Evict::Any).expect("slot 2");
+    assert_eq!(s, 2);
+    let err = c.resize(SB as u64).expect_err("slot 2 is Loading");
+    assert!(err.to_string().contains("slot 2"), "{err}");
+    assert_eq!((c.len(), c.capacity_slots()), (3, 4), "nothing changed");
+    // A size that keeps slot 2 is fine.
+    assert_eq!(
+        c.resize((3 * SB) as u64).expect("keeps slot 2"),
+        (3 * SB) as u64
+    );
+    fill(&t, 2);
+    c.complete(s, true);
+    assert_eq!(&c.data_of(2).expect("Ready")[..4], &2u32.to_le_bytes());
+    assert!(c.pin(0) && c.pin(1) && c.pin(2));
+    let err = c.resize((2 * SB) as u64).expect_err("three pinned chunks");
+    assert!(err.to_string().contains("pinned"), "{err}");
+    c.check_invariants();
+}
+
+#[test]
+fn a_large_shrink_gives_the_memory_back_to_the_os() {
+    const BIG: usize = 16 * PAGE; // 64 KiB slots, 256 of them: a 16 MiB arena
+    let mut c = NeuronCache::new(256, BIG, (256 * BIG) as u64, 4).expect("cache");
+    assert_eq!(
+        c.measured_resident_bytes().expect("mincore"),
+        0,
+        "untouched"
+    );
+    for ch in 0..256u32 {
+        let (s, t) = c.reserve(ch, ch as f32, Evict::Any).expect("free slot");
+        // SAFETY: `t` is a whole Loading slot nothing else touches until complete().
+        unsafe { std::ptr::write_bytes(t.as_ptr(), ch as u8, t.len()) };
+        c.complete(s, true);
+    }
+    let full = c.measured_resident_bytes().expect("mincore");
+    assert!(full <= c.resident_bytes(), "{full}");
+    assert!(
+        full > (128 * BIG) as u64,
+        "filled slots are resident: {full}"
+    );
+    assert_eq!(
+        c.resize((8 * BIG) as u64).expect("shrink"),
+        (8 * BIG) as u64
+    );
+    let small = c.measured_resident_bytes().expect("mincore");
+    assert!(
+        small <= (8 * BIG) as u64,
+        "{small} resident after shrinking to 8 slots"
+    );
+    for ch in 248..256u32 {
+        assert!(
+            c.data_of(ch)
+                .expect("most valued kept")
+                .iter()
+                .all(|&b| b == ch as u8),
+            "chunk {ch}"
+        );
+    }
+    assert_eq!(
+        c.resize((256 * BIG) as u64).expect("grow"),
+        (256 * BIG) as u64
+    );
+    assert!(
+        c.measured_resident_bytes().expect("mincore") <= (8 * BIG) as u64,
+        "grown slots cost nothing until filled"
+    );
+    c.check_invariants();
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Begin,
@@ -179,6 +334,8 @@ enum Op {
     SetRetention(u32, i8),
     Evict(u32),
     Clear,
+    /// Resize to this many slots.
+    Resize(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -194,6 +351,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (c.clone(), -3i8..4).prop_map(|(c, r)| Op::SetRetention(c, r)),
         1 => c.prop_map(Op::Evict),
         1 => Just(Op::Clear),
+        2 => (0usize..15).prop_map(Op::Resize),
     ]
 }
 
@@ -210,13 +368,15 @@ struct M {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// Runs random operations against the cache and a plain model: same contents, same victims
-    /// (lowest retention, ties by slot, never pinned or Loading), same counters; the structural
-    /// invariants hold after every step; Ready slots hold their own chunk's bytes.
+    /// Runs random operations, resizes included, against the cache and a plain model: same
+    /// contents, same victims (lowest retention, ties by slot, never pinned or Loading), same
+    /// counters, same refusals; the structural invariants hold after every step (no slot holds
+    /// two chunks, capacity respected); Ready slots hold their own chunk's bytes, moved or not.
     #[test]
     fn cache_matches_a_model(ops in prop::collection::vec(op(), 1..120)) {
-        const CAP: usize = 5;
-        let mut c = cache(12, CAP);
+        const FLOOR: usize = 2;
+        let mut cap = 5;
+        let mut c = NeuronCache::new(12, SB, (cap * SB) as u64, FLOOR).expect("cache");
         let mut m: HashMap<u32, M> = HashMap::new();
         let mut loading: Vec<(SlotId, ChunkId, ReadTarget)> = Vec::new();
         let (mut epoch, mut hits, mut misses, mut evictions, mut loaded, mut unused) =
@@ -238,7 +398,7 @@ proptest! {
                     let (r, rule) = (r as f32, if any { Evict::Any } else { Evict::NotHigher });
                     let victim = if m.contains_key(&ch) {
                         Err(())
-                    } else if m.len() < CAP {
+                    } else if m.len() < cap {
                         Ok(None)
                     } else {
                         let best = m.iter()
@@ -319,9 +479,44 @@ proptest! {
                         !e.ready
                     });
                 }
+                Op::Resize(k) => {
+                    let want = k.min(12);
+                    let busy = m.values().filter(|e| !e.ready || e.pins > 0).count();
+                    let loading_removed = loading.iter().any(|&(s, _, _)| s as usize >= want);
+                    let got = c.resize((k * SB) as u64);
+                    if k < FLOOR {
+                        prop_assert!(matches!(got, Err(Error::OverBudget { .. })), "{:?}", got);
+                    } else if want < cap && (loading_removed || busy > want) {
+                        prop_assert!(matches!(got, Err(Error::InvalidArgument { .. })), "{:?}", got);
+                    } else {
+                        prop_assert_eq!(got.expect("resize"), (want * SB) as u64);
+                        let mut victims: Vec<(u32, u32, u32)> = m.iter()
+                            .filter(|(_, e)| e.ready && e.pins == 0)
+                            .map(|(&ch, e)| (retention_key(e.retention), e.slot, ch))
+                            .collect();
+                        victims.sort_unstable();
+                        for &(_, _, ch) in victims.iter().take(m.len().saturating_sub(want)) {
+                            let e = m.remove(&ch).expect("victim in model");
+                            if !e.used { unused += SB as u64 }
+                            evictions += 1;
+                        }
+                        cap = want;
+                        for (&ch, e) in m.iter_mut() {
+                            match c.lookup(ch) {
+                                Lookup::Ready(s) if e.ready => e.slot = s,
+                                Lookup::Loading(s) if !e.ready => {
+                                    prop_assert_eq!(s, e.slot, "a Loading slot never moves");
+                                }
+                                got => prop_assert!(false, "chunk {} is {:?}", ch, got),
+                            }
+                        }
+                    }
+                }
             }
             c.check_invariants();
-            prop_assert!(c.len() <= CAP);
+            prop_assert_eq!(c.capacity_slots(), cap);
+            prop_assert_eq!(c.resident_bytes(), (cap * SB) as u64);
+            prop_assert!(c.len() <= cap);
             prop_assert_eq!(c.len(), m.len());
             for ch in 0..12u32 {
                 let want = match m.get(&ch) {

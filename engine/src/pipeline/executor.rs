@@ -113,11 +113,45 @@ impl Executor {
         }
     }
 
-    /// Bytes of the neuron cache (0 for `mmap`).
+    /// Bytes of the neuron cache now (0 for `mmap`): what it costs the budget, an upper bound
+    /// of its resident memory.
     pub fn cache_bytes(&self) -> usize {
         match self {
             Executor::Mmap(_) => 0,
             Executor::Streaming(e) => e.cache_bytes(),
+        }
+    }
+
+    /// The smallest neuron cache the pipeline runs with, in bytes: one layer's chunks for the
+    /// cache-backed modes (the same number [`ChunkLayout::floor_bytes`] gives from the file's
+    /// header before loading), 0 for `mmap`.
+    ///
+    /// [`ChunkLayout::floor_bytes`]: super::ChunkLayout::floor_bytes
+    pub fn cache_floor_bytes(&self) -> usize {
+        match self {
+            Executor::Mmap(_) => 0,
+            Executor::Streaming(e) => e.cache_floor_bytes(),
+        }
+    }
+
+    /// Resizes the neuron cache to `bytes` (rounded down to whole chunks, capped at the whole
+    /// streamed FFN) and returns the bytes it now holds, which [`Executor::cache_bytes`] reports
+    /// from then on. Call between forward passes — `&mut self` rules out calling it during one,
+    /// so the caller holding the executor (or its `Mutex`) is all the synchronisation needed.
+    ///
+    /// Shrinking evicts the chunks the mode's retention values least and gives their memory back
+    /// to the OS at once; growing makes room that reads fill (memory is faulted in as chunks
+    /// arrive). Pending speculative reads are cancelled and reads in flight waited for first;
+    /// see [`StreamingFfn::resize_cache`]. Generation results do not depend on the size, only
+    /// the bytes read per token do.
+    ///
+    /// A size below [`Executor::cache_floor_bytes`] is refused with [`Error::OverBudget`] (naming
+    /// the floor and `bytes`) and changes nothing. `mmap` has no neuron cache (the kernel's page
+    /// cache holds its weights): resizing it is a no-op that returns `Ok(0)`.
+    pub fn resize_cache(&mut self, bytes: usize) -> Result<usize> {
+        match self {
+            Executor::Mmap(_) => Ok(0),
+            Executor::Streaming(e) => e.resize_cache(bytes),
         }
     }
 }

@@ -102,6 +102,19 @@ impl ChunkLayout {
         self.n_layers * self.chunks_per_layer
     }
 
+    /// The fewest neuron-cache slots a streaming pipeline can run with: one layer's chunks, so
+    /// that every chunk a layer selects can be cached at once (the minimum working set). The one
+    /// owner of this rule: the pipeline builds its cache with it and reports it.
+    pub fn floor_slots(&self) -> usize {
+        self.chunks_per_layer.min(self.total_chunks())
+    }
+
+    /// [`ChunkLayout::floor_slots`] in bytes: the smallest neuron cache of a streaming mode, known
+    /// from the file header before loading (so a caller can reserve it up front).
+    pub fn floor_bytes(&self) -> usize {
+        self.floor_slots() * self.chunk_bytes
+    }
+
     /// Bytes of the streamed FFN section (all chunks, padding included).
     pub fn streamed_bytes(&self) -> usize {
         self.total_chunks() * self.chunk_bytes

@@ -19,6 +19,8 @@
 //!    reads. Retaining by observed activity as well (`Retention::Refined`) reads fewer bytes but
 //!    scatters the cache, and measured slower (the bench's ablation shows both).
 
+mod resize;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -146,6 +148,9 @@ pub struct StreamingFfn {
     compute: Box<dyn ChunkCompute>,
     cache: NeuronCache,
     io: Box<dyn IoEngine>,
+    /// The GPU `compute` runs on, if `use_cuda` set it: a resize re-registers the arena with it.
+    #[cfg(feature = "cuda")]
+    gpu: Option<Arc<crate::backend::cuda::CudaBackend>>,
     precision: Precision,
     /// Count predictor recall against dense activations (measurement passes only).
     pub measure_recall: bool,
@@ -176,8 +181,8 @@ impl std::fmt::Debug for StreamingFfn {
 
 impl StreamingFfn {
     /// A pipeline over `sm` with `policy`, a cache of `cache_bytes` and reads served by `io`.
-    /// Refuses a cache too small to hold one layer's chunks (the minimum working set), naming
-    /// the bytes needed.
+    /// Refuses a cache too small to hold one layer's chunks (the minimum working set,
+    /// [`ChunkLayout::floor_bytes`](super::ChunkLayout::floor_bytes)), naming the bytes needed.
     pub fn new(
         sm: Arc<SparseModel>,
         selector: Selector,
@@ -191,13 +196,15 @@ impl StreamingFfn {
             l.total_chunks(),
             l.chunk_bytes,
             cache_bytes as u64,
-            l.chunks_per_layer,
+            l.floor_slots(),
         )?;
         Ok(StreamingFfn {
             policy,
             selector,
             cache,
             io,
+            #[cfg(feature = "cuda")]
+            gpu: None,
             precision,
             measure_recall: false,
             stats: PipelineStats::default(),
@@ -240,6 +247,10 @@ impl StreamingFfn {
     /// Runs the chunk computations with `compute` from now on (the CPU pool by default).
     pub fn set_compute(&mut self, compute: Box<dyn ChunkCompute>) {
         self.compute = compute;
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu = None;
+        }
     }
 
     /// Runs the chunk computations on `gpu` from now on, reading the neuron cache in place
@@ -249,15 +260,29 @@ impl StreamingFfn {
         let (base, len) = self.cache.arena();
         // SAFETY: the arena is this pipeline's cache's, which is dropped after `compute` (field
         // order), and holds only cache slots.
-        let compute =
-            unsafe { crate::backend::cuda::CudaChunks::new(gpu, base, len, &self.sm.layout)? };
+        let compute = unsafe {
+            crate::backend::cuda::CudaChunks::new(Arc::clone(&gpu), base, len, &self.sm.layout)?
+        };
         self.compute = Box::new(compute);
+        self.gpu = Some(gpu);
         Ok(())
     }
 
-    /// Bytes of the neuron cache's arena.
+    /// Bytes of the neuron cache's arena: what it costs the budget, an upper bound of its
+    /// resident memory.
     pub fn cache_bytes(&self) -> usize {
         self.cache.resident_bytes() as usize
+    }
+
+    /// The smallest cache this pipeline runs with: one layer's chunks, in bytes (equal to
+    /// [`ChunkLayout::floor_bytes`](super::ChunkLayout::floor_bytes) of its file).
+    pub fn cache_floor_bytes(&self) -> usize {
+        self.cache.floor_bytes() as usize
+    }
+
+    /// The neuron cache, for inspection (which chunks it holds, its resident pages).
+    pub fn cache(&self) -> &NeuronCache {
+        &self.cache
     }
 
     /// The value of keeping chunk `c` under this policy's retention (higher stays longer).
@@ -321,6 +346,11 @@ impl StreamingFfn {
         } else {
             self.io.try_drain(&mut self.done);
         }
+        self.apply_done();
+    }
+
+    /// Applies the completions in `self.done` to the cache.
+    fn apply_done(&mut self) {
         for d in &self.done {
             let c = d.id as ChunkId;
             if let Lookup::Loading(slot) = self.cache.lookup(c) {
