@@ -209,6 +209,7 @@ impl LoadedModel {
                     io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
                     precision: params.precision,
                     predictor: (!off).then_some(PredictorKind::LowRank),
+                    verify_chunks: true,
                 },
             )
             .map_err(|e| match e {

@@ -47,6 +47,35 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A streamed FFN chunk whose bytes do not match the checksum the `.lsm` header records for
+    /// it, read twice: the file was corrupted or replaced after it was opened. `expected` and
+    /// `found` are CRC-32s (the last read's).
+    #[error(
+        "{path}: FFN layer {layer} chunk {chunk} checksum mismatch (expected {expected:#010x}, \
+         read {found:#010x}, twice): the file is corrupted or was replaced while loaded"
+    )]
+    ChunkChecksum {
+        path: PathBuf,
+        layer: usize,
+        chunk: usize,
+        expected: u32,
+        found: u32,
+    },
+    /// A read that ran past the end of the file: the file is shorter than when it was opened.
+    #[error(
+        "read of {len} bytes at offset {offset} ran past the end of the file: truncated while \
+         loaded?"
+    )]
+    ShortRead { offset: u64, len: usize },
+    /// A streamed FFN chunk that could not be read (`source` says why).
+    #[error("{path}: reading FFN layer {layer} chunk {chunk}: {source}")]
+    ChunkRead {
+        path: PathBuf,
+        layer: usize,
+        chunk: usize,
+        #[source]
+        source: Box<Error>,
+    },
     /// Something does not fit in the memory it was given; `needed` is the least that would do.
     #[error("{what} needs at least {needed} bytes but the budget is {budget} bytes")]
     OverBudget {

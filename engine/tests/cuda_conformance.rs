@@ -92,6 +92,7 @@ fn streaming_modes_on_the_gpu_equal_the_cpu_with_sparsity_off() {
             io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
             precision: Precision::Exact,
             predictor: None,
+            verify_chunks: true,
         };
         let mut exec = Executor::new(&sm, opts).unwrap();
         exec.use_cuda(Arc::clone(&g)).unwrap();

@@ -54,6 +54,7 @@ fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
         io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
         precision: Precision::Exact,
         predictor: None,
+        verify_chunks: true,
     }
 }
 

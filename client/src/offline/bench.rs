@@ -56,6 +56,10 @@ pub struct BenchArgs {
     /// adjacent chunks.
     #[arg(long, default_value_t = leanstream_engine::io::DEFAULT_MAX_GAP_BYTES)]
     pub io_gap: usize,
+    /// Do not verify streamed chunks against their checksums (only to measure what the check
+    /// costs: a corrupted file then gives wrong tokens silently).
+    #[arg(long)]
+    pub no_verify_chunks: bool,
     /// Also run the ablation of LeanStream's refinements at this budget (e.g. 20%).
     #[arg(long, value_parser = parse_percent)]
     pub ablation: Option<f64>,
@@ -140,6 +144,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         precision: args.precision.into(),
         io_threads: args.io_threads,
         io_gap_bytes: args.io_gap,
+        verify_chunks: !args.no_verify_chunks,
         ablation_budget: args.ablation,
         disk_probe: !args.no_disk_probe,
         backend: super::resolve_backend(args.backend)?,

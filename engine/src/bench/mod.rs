@@ -43,6 +43,9 @@ pub struct BenchConfig {
     pub io_threads: usize,
     /// Largest hole a merged read may bridge (`--io-gap`).
     pub io_gap_bytes: usize,
+    /// Verify streamed chunks' checksums as they are read (off: `--no-verify-chunks`, to
+    /// measure what the check costs).
+    pub verify_chunks: bool,
     /// Also run LeanStream's ablation ladder at this budget.
     pub ablation_budget: Option<f64>,
     /// Measure the disk's O_DIRECT read bandwidth on the model file once, before the runs

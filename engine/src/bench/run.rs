@@ -177,6 +177,7 @@ fn run_one(
                 io_gap_bytes: cfg.io_gap_bytes,
                 precision: cfg.precision,
                 predictor: Some(cfg.predictor),
+                verify_chunks: cfg.verify_chunks,
             },
         )?;
         (Arc::clone(&sm.model), Some(exec))

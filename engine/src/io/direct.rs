@@ -124,6 +124,10 @@ impl ReadAt for DirectFile {
     fn alignment(&self) -> usize {
         if self.direct { PAGE } else { 1 }
     }
+
+    fn path(&self) -> Option<&Path> {
+        Some(&self.path)
+    }
 }
 
 #[cfg(test)]

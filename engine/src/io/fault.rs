@@ -57,6 +57,9 @@ pub enum FaultKind {
     Short(usize),
     /// Sleep this long, then do the read normally (slow storage).
     Delay(Duration),
+    /// Do the read, then flip the bits of the first byte read (a transfer that went wrong
+    /// silently; only a checksum can tell).
+    Corrupt,
 }
 
 #[derive(Debug, Clone)]
@@ -188,11 +191,24 @@ impl ReadAt for FaultyReader {
                 std::thread::sleep(*d);
                 self.inner.read_at(bufs, offset)
             }
+            Some(FaultKind::Corrupt) => {
+                let n = self.inner.read_at(bufs, offset)?;
+                if n > 0
+                    && let Some(b) = bufs.iter_mut().find(|b| !b.is_empty())
+                {
+                    b[0] = !b[0];
+                }
+                Ok(n)
+            }
         }
     }
 
     fn alignment(&self) -> usize {
         self.inner.alignment()
+    }
+
+    fn path(&self) -> Option<&std::path::Path> {
+        self.inner.path()
     }
 }
 
@@ -222,5 +238,18 @@ mod tests {
         assert_eq!(read(95).expect("short at the end"), 5);
         assert_eq!(r.calls(), 7);
         assert_eq!(r.faults()[1].fired(), 2);
+    }
+
+    #[test]
+    fn a_corrupting_fault_flips_the_first_byte_read_and_only_that() {
+        let mem = Arc::new(MemReader::new(vec![0x0fu8; 100]));
+        let r = FaultyReader::new(mem, vec![Fault::on_call(0, FaultKind::Corrupt)]);
+        let (mut a, mut b) = ([0u8; 0], [0u8; 4]);
+        let n = r
+            .read_at(&mut [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)], 0)
+            .expect("read");
+        assert_eq!((n, b), (4, [0xf0, 0x0f, 0x0f, 0x0f]));
+        r.read_at(&mut [IoSliceMut::new(&mut b)], 0).expect("read");
+        assert_eq!(b, [0x0f; 4]);
     }
 }

@@ -5,7 +5,8 @@
 //!   reads, early end of file);
 //! - [`direct`]: [`DirectFile`], `O_DIRECT` with a logged buffered fallback;
 //! - [`fault`]: [`MemReader`] and [`FaultyReader`] for tests;
-//! - [`queue`]: read requests and the priority queue with its coalescing plan;
+//! - [`queue`]: read requests (with the checksum a chunk must match) and the priority queue with
+//!   its coalescing plan;
 //! - [`engine`]: the [`IoEngine`] trait, requests' [`Completion`]s, [`IoStats`];
 //! - [`pool`]: [`ThreadPoolIo`], the OS-thread implementation.
 
@@ -22,5 +23,5 @@ pub use direct::DirectFile;
 pub use engine::{Completion, DEFAULT_MAX_GAP_BYTES, IoEngine, IoOptions, IoStats};
 pub use fault::{Fault, FaultKind, FaultyReader, MemReader};
 pub use pool::ThreadPoolIo;
-pub use queue::{ReadRequest, ReadTarget};
+pub use queue::{ChunkCheck, ReadRequest, ReadTarget};
 pub use read::{ReadAt, ReadCounters, read_exact_at};

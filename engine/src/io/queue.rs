@@ -47,6 +47,17 @@ impl ReadTarget {
     }
 }
 
+/// What a read's bytes must hash to: the CRC-32 of a streamed FFN chunk (the whole target,
+/// padding included), with the chunk's place for the error that names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkCheck {
+    /// CRC-32 (IEEE, as `crc32fast` computes it) of the target's bytes.
+    pub crc32: u32,
+    pub layer: usize,
+    /// The chunk's index inside its layer.
+    pub chunk: usize,
+}
+
 /// One read: fill `target` from byte `offset` of the file.
 #[derive(Debug)]
 pub struct ReadRequest {
@@ -57,6 +68,10 @@ pub struct ReadRequest {
     pub target: ReadTarget,
     /// Higher is read first; equal priorities are read in submission order. NaN counts as -∞.
     pub priority: f32,
+    /// The checksum the bytes are verified against on the I/O thread before the read completes
+    /// (when the pool's [`IoOptions::verify_chunks`](super::IoOptions::verify_chunks) is on);
+    /// `None` reads unchecked.
+    pub check: Option<ChunkCheck>,
 }
 
 impl ReadRequest {
@@ -252,6 +267,7 @@ mod tests {
             offset,
             target,
             priority,
+            check: None,
         }
     }
 

@@ -17,6 +17,11 @@ pub trait ReadAt: Send + Sync + std::fmt::Debug {
     fn alignment(&self) -> usize {
         1
     }
+
+    /// The file being read, for error messages (`None` for memory and other sources).
+    fn path(&self) -> Option<&std::path::Path> {
+        None
+    }
 }
 
 /// What one exact read cost, for the pool's statistics.

@@ -30,6 +30,9 @@ pub struct ExecutorOptions {
     pub precision: Precision,
     /// The predictor choosing chunks; `None` computes every chunk (sparsity off).
     pub predictor: Option<PredictorKind>,
+    /// Verify every streamed chunk against its CRC-32 as it is read ([`IoOptions::verify_chunks`];
+    /// true unless measuring the check's cost).
+    pub verify_chunks: bool,
 }
 
 /// The FFN of a sparse mode.
@@ -62,6 +65,7 @@ impl Executor {
                 let file = DirectFile::open(&sm.path)?;
                 let io_opts = IoOptions {
                     max_gap_bytes: opts.io_gap_bytes,
+                    verify_chunks: opts.verify_chunks,
                     ..IoOptions::default()
                 };
                 let io = ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), io_opts)?;

@@ -26,6 +26,9 @@ pub struct SparseModel {
     pub thresholds: Vec<f32>,
     /// Per chunk: the calibrated share of tokens on which any neuron of the chunk is active.
     pub chunk_frequency: Vec<f32>,
+    /// Per chunk (by [`ChunkId`](super::layout::ChunkId)): the CRC-32 its streamed bytes must
+    /// match, from the header.
+    pub chunk_crc32: Vec<u32>,
     /// The calibration's target sparsity (0 when uncalibrated).
     pub sparsity: f32,
     calibration: Option<crate::model::lsm::CalibrationData>,
@@ -68,6 +71,7 @@ impl SparseModel {
             path: path.to_path_buf(),
             thresholds,
             chunk_frequency,
+            chunk_crc32: f.header.ffn.chunk_crc32.concat(),
             sparsity,
             calibration,
         }))

@@ -33,7 +33,7 @@ use super::stats::PipelineStats;
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::cache::{Evict, Lookup, NeuronCache};
 use crate::forward::FfnExecutor;
-use crate::io::{Completion, IoEngine, ReadRequest};
+use crate::io::{ChunkCheck, Completion, IoEngine, ReadRequest};
 use crate::model::LayerWeights;
 use crate::{Error, Result};
 
@@ -165,7 +165,7 @@ pub struct StreamingFfn {
     needed: Vec<usize>,    // chunks of this layer still to compute
     ready: Vec<usize>,     // chunks of this layer ready to compute in this stage
     done: Vec<Completion>, // completions being processed
-    failed: Option<(ChunkId, String)>,
+    failed: Option<(ChunkId, Error)>,
 }
 
 impl std::fmt::Debug for StreamingFfn {
@@ -319,11 +319,17 @@ impl StreamingFfn {
                 let Some((_, target)) = slot else {
                     return false;
                 };
+                let layout = &self.sm.layout;
                 let req = ReadRequest {
                     id: c as u64,
-                    offset: self.sm.layout.file_offset(c),
+                    offset: layout.file_offset(c),
                     target,
                     priority,
+                    check: Some(ChunkCheck {
+                        crc32: self.sm.chunk_crc32[c as usize],
+                        layer: layout.layer_of(c),
+                        chunk: layout.chunk_of(c),
+                    }),
                 };
                 // SAFETY: the target is a Loading slot of our cache; the cache hands it to no one
                 // else and never reads or evicts it until `complete` or `abandon`, which we call
@@ -349,17 +355,21 @@ impl StreamingFfn {
         self.apply_done();
     }
 
-    /// Applies the completions in `self.done` to the cache.
+    /// Applies the completions in `self.done` to the cache. A failed read frees its slot: its
+    /// bytes (unread, short or corrupted) never become a Ready chunk.
     fn apply_done(&mut self) {
-        for d in &self.done {
+        let mut done = std::mem::take(&mut self.done);
+        for d in done.drain(..) {
             let c = d.id as ChunkId;
             if let Lookup::Loading(slot) = self.cache.lookup(c) {
                 self.cache.complete(slot, d.result.is_ok());
             }
-            if let Err(e) = &d.result {
-                self.failed = Some((c, e.to_string()));
+            if let Err(e) = d.result {
+                self.failed = Some((c, e));
             }
         }
+        // The buffer keeps its capacity: the per-token path allocates nothing.
+        self.done = done;
     }
 
     /// Speculation at the start of layer `l`: queue reads for the chunks the predictor selects in
@@ -561,13 +571,15 @@ impl FfnExecutor for StreamingFfn {
                     self.cache.unpin(self.sm.layout.id(l, r));
                 }
                 self.ready.clear();
-                return Err(Error::io(
-                    &self.sm.path,
-                    std::io::Error::other(format!(
-                        "reading FFN layer {l} chunk {}: {e}",
-                        self.sm.layout.chunk_of(c)
-                    )),
-                ));
+                return Err(match e {
+                    e @ Error::ChunkChecksum { .. } => e,
+                    e => Error::ChunkRead {
+                        path: self.sm.path.clone(),
+                        layer: l,
+                        chunk: self.sm.layout.chunk_of(c),
+                        source: Box::new(e),
+                    },
+                });
             }
             let mut starved = false;
             for i in 0..self.needed.len() {

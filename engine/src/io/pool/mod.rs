@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::aligned::AlignedBuf;
 use super::engine::{Completion, IoEngine, IoOptions, IoStats};
-use super::queue::{ReadRequest, RequestQueue};
+use super::queue::{ChunkCheck, ReadRequest, RequestQueue};
 use super::read::{ReadAt, ReadCounters, read_exact_at};
 use crate::{Error, Result};
 
@@ -25,6 +25,7 @@ struct AtomicStats {
     gap_bytes: AtomicU64,
     retries: AtomicU64,
     failures: AtomicU64,
+    checksum_mismatches: AtomicU64,
     busy_ns: AtomicU64,
 }
 
@@ -65,8 +66,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// Retries: a merged read that fails is not retried as a whole; its requests are re-read one by
 /// one, so that one bad range cannot fail its neighbours. A single request is read up to
-/// `1 + retries` times; then it completes with [`Error::Read`] naming its offset, and the pool keeps
-/// serving others. `EINTR` and short reads are not failures (the read loop continues them).
+/// `1 + retries` times; then it completes with [`Error::Read`] naming its offset (or
+/// [`Error::ShortRead`] if the file ended first), and the pool keeps serving others. `EINTR` and
+/// short reads are not failures (the read loop continues them).
+///
+/// Verification: a request with a [`ChunkCheck`] is hashed (CRC-32) on the worker after its read
+/// and before its completion, unless [`IoOptions::verify_chunks`] is off. A mismatch is read again
+/// once, alone; a second mismatch completes it with [`Error::ChunkChecksum`], so that corrupted
+/// bytes are never reported as a successful read.
 ///
 /// Drop stops the workers, waits for reads in flight (so nothing is written into a target after
 /// drop returns) and drops queued requests without completing them.
@@ -224,6 +231,7 @@ impl IoEngine for ThreadPoolIo {
             gap_bytes: get(&s.gap_bytes),
             retries: get(&s.retries),
             failures: get(&s.failures),
+            checksum_mismatches: get(&s.checksum_mismatches),
             busy_ns: get(&s.busy_ns),
         }
     }
@@ -238,6 +246,7 @@ impl IoEngine for ThreadPoolIo {
             &s.gap_bytes,
             &s.retries,
             &s.failures,
+            &s.checksum_mismatches,
             &s.busy_ns,
         ] {
             c.store(0, Ordering::Relaxed);
@@ -325,37 +334,104 @@ impl Shared {
             if let Ok(holes) = self.read(batch, iov, scratch) {
                 add(&self.stats.gap_bytes, holes);
                 for r in batch {
-                    self.succeed(r, out);
+                    match self.verify(r) {
+                        Ok(()) => self.succeed(r, out),
+                        Err(_) => {
+                            add(&self.stats.retries, 1);
+                            self.read_alone(r, iov, 1, out);
+                        }
+                    }
                 }
                 return;
             }
             add(&self.stats.retries, batch.len() as u64);
         }
         for r in batch {
-            let mut attempt = 1;
-            loop {
-                match self.read(std::slice::from_ref(r), iov, None) {
-                    Ok(_) => break self.succeed(r, out),
-                    Err(_) if attempt <= self.opts.retries => {
-                        attempt += 1;
-                        add(&self.stats.retries, 1);
+            self.read_alone(r, iov, 0, out);
+        }
+    }
+
+    /// Reads `r` by itself and appends its completion: a failed read is tried again up to
+    /// `retries` times, a checksum mismatch once in all (`mismatches` counts those seen already,
+    /// e.g. after a merged read).
+    fn read_alone(
+        &self,
+        r: &ReadRequest,
+        iov: &mut Vec<IoSliceMut<'static>>,
+        mut mismatches: u32,
+        out: &mut Vec<Completion>,
+    ) {
+        let mut attempt = 1;
+        let error = loop {
+            match self.read(std::slice::from_ref(r), iov, None) {
+                Ok(_) => match self.verify(r) {
+                    Ok(()) => return self.succeed(r, out),
+                    Err((check, found)) => {
+                        mismatches += 1;
+                        if mismatches < 2 {
+                            add(&self.stats.retries, 1);
+                            continue;
+                        }
+                        break Error::ChunkChecksum {
+                            path: self.reader.path().map(Into::into).unwrap_or_default(),
+                            layer: check.layer,
+                            chunk: check.chunk,
+                            expected: check.crc32,
+                            found,
+                        };
                     }
-                    Err(source) => {
-                        add(&self.stats.failures, 1);
-                        break out.push(Completion {
-                            id: r.id,
-                            result: Err(Error::Read {
-                                offset: r.offset,
-                                len: r.target.len(),
-                                attempts: attempt,
-                                source,
-                            }),
-                            bytes: 0,
-                        });
-                    }
+                },
+                Err(_) if attempt <= self.opts.retries => {
+                    attempt += 1;
+                    add(&self.stats.retries, 1);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    break Error::ShortRead {
+                        offset: r.offset,
+                        len: r.target.len(),
+                    };
+                }
+                Err(source) => {
+                    break Error::Read {
+                        offset: r.offset,
+                        len: r.target.len(),
+                        attempts: attempt,
+                        source,
+                    };
                 }
             }
+        };
+        add(&self.stats.failures, 1);
+        out.push(Completion {
+            id: r.id,
+            result: Err(error),
+            bytes: 0,
+        });
+    }
+
+    /// Checks a request's freshly read target against its [`ChunkCheck`], when it has one and
+    /// verification is on. Returns the check and the CRC-32 found on a mismatch.
+    fn verify(&self, r: &ReadRequest) -> Result<(), (ChunkCheck, u32)> {
+        let Some(check) = r.check.filter(|_| self.opts.verify_chunks) else {
+            return Ok(());
+        };
+        // SAFETY: as in `read`: the target is valid for its length and only this worker touches
+        // it until the completion, which is pushed after this borrow ends; the read into it has
+        // returned, so nothing writes it meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts(r.target.as_ptr(), r.target.len()) };
+        let found = crc32fast::hash(bytes);
+        if found == check.crc32 {
+            return Ok(());
         }
+        add(&self.stats.checksum_mismatches, 1);
+        tracing::warn!(
+            layer = check.layer,
+            chunk = check.chunk,
+            offset = r.offset,
+            "chunk checksum mismatch (expected {:#010x}, read {found:#010x})",
+            check.crc32
+        );
+        Err((check, found))
     }
 
     fn succeed(&self, r: &ReadRequest, out: &mut Vec<Completion>) {
@@ -414,3 +490,5 @@ impl Shared {
 mod fault_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod verify_tests;

@@ -92,6 +92,7 @@ pub(super) fn submit(
         offset: page * PAGE as u64,
         target,
         priority: prio,
+        check: None,
     };
     // SAFETY: as above: the target stays valid and untouched until the completion.
     unsafe { io.submit(req) };

@@ -92,6 +92,7 @@ fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
             io_gap_bytes: crate::io::DEFAULT_MAX_GAP_BYTES,
             precision: Precision::Exact,
             predictor: Some(PredictorKind::LowRank),
+            verify_chunks: true,
         },
     )
     .unwrap();
