@@ -288,7 +288,10 @@ impl<M: Memory> State<M> {
                 position,
             } => (id, accepted, generated, position),
             // A closed session's memory is free now: caches may grow into it.
-            EngineEvent::Dropped { .. } => return self.apply_cache_grants(),
+            EngineEvent::Dropped { id } => {
+                tracing::debug!("session {id} dropped by the scheduler");
+                return self.apply_cache_grants();
+            }
         };
         if let Some(s) = self.sessions.get_mut(&id) {
             s.busy = false;

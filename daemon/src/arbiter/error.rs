@@ -6,7 +6,7 @@ use super::SessionId;
 
 /// Why the arbiter refused an operation. A refused operation changes nothing.
 ///
-/// [`ArbiterError::wire_name`] gives the D-Bus error name (DESIGN §8) each variant maps to.
+/// [`ArbiterError::wire_name`] gives the D-Bus error name each variant maps to.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ArbiterError {
     /// The request does not fit even after every neuron cache shrinks to its minimum.
@@ -55,6 +55,7 @@ pub enum ArbiterError {
     },
 }
 
+    #[cfg(test)]
 impl ArbiterError {
     /// The D-Bus error name (without the `io.github.leanstream.LeanStream1.Error.` prefix) the
     /// daemon sends for this error.

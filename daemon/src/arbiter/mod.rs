@@ -354,11 +354,6 @@ impl Arbiter {
         ids
     }
 
-    /// The whole budget, in bytes.
-    pub fn budget_bytes(&self) -> u64 {
-        self.config.budget_bytes
-    }
-
     /// Resident weights + neuron caches + sessions. Never above the budget.
     pub fn used_bytes(&self) -> u64 {
         self.reserved
@@ -369,6 +364,7 @@ impl Arbiter {
                 .sum::<u64>()
     }
 
+    #[cfg(test)]
     /// Hard reservations: resident weights, minimum caches and sessions — what stays used if every
     /// cache shrinks to its minimum.
     pub fn reserved_bytes(&self) -> u64 {
@@ -389,10 +385,12 @@ impl Arbiter {
         self.models.contains_key(model)
     }
 
+    #[cfg(test)]
     pub fn session_count(&self) -> usize {
         self.sessions.len()
     }
 
+    #[cfg(test)]
     pub fn session(&self, id: SessionId) -> Option<SessionUsage> {
         self.sessions.get(&id).map(|s| session_usage(id, s))
     }
