@@ -28,18 +28,24 @@ impl NeuronCache {
     /// ([`Error::Os`]).
     pub fn resize(&mut self, budget_bytes: u64) -> Result<u64> {
         let n = self.slots.len();
-        let want = slots_for(
-            budget_bytes,
-            self.slot_bytes,
-            self.total_chunks(),
-            self.floor_slots,
-        )?;
+        let want = self.slots_for(budget_bytes)?;
         if want > n {
             self.grow(want)?;
         } else if want < n {
             self.shrink(want)?;
         }
         Ok(self.resident_bytes())
+    }
+
+    /// The slots [`NeuronCache::resize`] would give the cache for `budget_bytes`, or its refusal
+    /// of a size below the floor ([`Error::OverBudget`] naming both); changes nothing.
+    pub fn slots_for(&self, budget_bytes: u64) -> Result<usize> {
+        slots_for(
+            budget_bytes,
+            self.slot_bytes,
+            self.total_chunks(),
+            self.floor_slots,
+        )
     }
 
     fn grow(&mut self, want: usize) -> Result<()> {

@@ -5,14 +5,14 @@ use std::time::Duration;
 #[cfg(feature = "cuda")]
 use super::CpuChunks;
 use super::StreamingFfn;
+use crate::Result;
 use crate::cache::ChunkId;
-use crate::{Error, Result};
 
 impl StreamingFfn {
     /// Resizes the neuron cache to `bytes`, rounded down to whole chunks (capped at every chunk
     /// of the model), and returns the bytes it now holds. Call between forward passes.
     ///
-    /// Below the floor it is refused with [`Error::OverBudget`] naming the floor and `bytes`,
+    /// Below the floor it is refused with [`crate::Error::OverBudget`] naming the floor and `bytes`,
     /// before anything changes. Otherwise the pipeline first quiesces its reads: queued reads
     /// (speculative reads of later layers; the exact ones of a pass are all complete when it
     /// ends) are cancelled — speculation issues them again at the next layer start — and reads
@@ -23,17 +23,8 @@ impl StreamingFfn {
     /// rebuilt over the resized arena after; if rebuilding fails, that error is returned and the
     /// chunks are computed on the CPU from then on.
     pub fn resize_cache(&mut self, bytes: usize) -> Result<usize> {
-        let floor = self.cache.floor_bytes();
-        if (bytes as u64) < floor {
-            return Err(Error::OverBudget {
-                what: format!(
-                    "the neuron cache of {} (one layer's chunks)",
-                    self.sm.path.display()
-                ),
-                needed: floor,
-                budget: bytes as u64,
-            });
-        }
+        // Refuse a size below the floor before quiescing: a refusal changes nothing.
+        self.cache.slots_for(bytes as u64)?;
         self.quiesce_reads();
         #[cfg(feature = "cuda")]
         let gpu = self.gpu.take();
