@@ -446,10 +446,15 @@ impl Scheduler {
 
 /// Puts the pipe's write end in non-blocking mode.
 fn set_nonblocking(out: &PipeWriter) -> Result<(), LeanStreamError> {
-    let flags = rustix::fs::fcntl_getfl(out)
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+    let flags = fcntl(out, FcntlArg::F_GETFL)
         .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))?;
-    rustix::fs::fcntl_setfl(out, flags | rustix::fs::OFlags::NONBLOCK)
-        .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))
+    fcntl(
+        out,
+        FcntlArg::F_SETFL(OFlag::from_bits_retain(flags) | OFlag::O_NONBLOCK),
+    )
+    .map(drop)
+    .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))
 }
 
 /// Queues `event` as one JSON line.
