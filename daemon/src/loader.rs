@@ -255,7 +255,7 @@ impl LoadedModel {
 fn open_sparse(file: &ModelFile, p: &ModelParams) -> Result<Arc<SparseModel>, LoadError> {
     let name = &file.name;
     let off = p.sparsity == Some(0.0);
-    let mut sm = SparseModel::open(&file.path, !off).map_err(|e| {
+    let mut sm = SparseModel::open_for_mode(&file.path, p.mode, !off).map_err(|e| {
         LoadError::Failed(format!(
             "model {name} cannot run in `{}` mode: {e} (or set `{}` = 0 to stream it without \
              sparsity)",
