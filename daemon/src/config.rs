@@ -261,8 +261,7 @@ impl Params {
             sparsity: check_sparsity("engine.sparsity", e.sparsity)?,
             cache_share: check_cache_share("engine.cache_share", e.cache_share)?
                 .unwrap_or(DEFAULT_CACHE_SHARE),
-            priority: parse_priority("engine.priority", e.priority.as_deref())?
-                .unwrap_or_default(),
+            priority: parse_priority("engine.priority", e.priority.as_deref())?.unwrap_or_default(),
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
@@ -542,7 +541,10 @@ mod tests {
             ("[engine]\nsparsity = 1.5", "engine.sparsity"),
             ("[engine]\nprecision = \"sloppy\"", "engine.precision"),
             ("[limits]\nmax_sessions = 0", "limits.max_sessions"),
-            ("[limits]\nmax_sessions_per_client = 0", "limits.max_sessions_per_client"),
+            (
+                "[limits]\nmax_sessions_per_client = 0",
+                "limits.max_sessions_per_client",
+            ),
             ("[engine]\npriority = \"urgent\"", "engine.priority"),
             ("[engine]\nkv_type = \"f8\"", "engine.kv_type"),
             ("[models.m]\npriority = \"low\"", "models.m.priority"),

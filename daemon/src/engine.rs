@@ -466,10 +466,15 @@ impl Scheduler {
 
 /// Puts the pipe's write end in non-blocking mode.
 fn set_nonblocking(out: &PipeWriter) -> Result<(), LeanStreamError> {
-    let flags = rustix::fs::fcntl_getfl(out)
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+    let flags = fcntl(out, FcntlArg::F_GETFL)
         .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))?;
-    rustix::fs::fcntl_setfl(out, flags | rustix::fs::OFlags::NONBLOCK)
-        .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))
+    fcntl(
+        out,
+        FcntlArg::F_SETFL(OFlag::from_bits_retain(flags) | OFlag::O_NONBLOCK),
+    )
+    .map(drop)
+    .map_err(|e| LeanStreamError::Internal(format!("pipe flags: {e}")))
 }
 
 /// Queues `event` as one JSON line.
@@ -685,8 +690,8 @@ mod tests {
     use std::sync::Mutex;
 
     use leanstream_engine::backend::cpu::Precision;
-    use leanstream_engine::kv::KvType;
     use leanstream_engine::io::{DirectFile, Fault, FaultKind, FaultyReader, ThreadPoolIo};
+    use leanstream_engine::kv::KvType;
     use leanstream_engine::pipeline::{
         Executor, Mode, Policy, Selector, SparseModel, StreamingFfn,
     };
@@ -823,7 +828,9 @@ mod tests {
         let fx = Fixture::new();
         let file = fx.gguf("tiny");
         let model = Arc::new(load(&fx, &file, ""));
-        let session = model.open_session(64, Precision::Exact, KvType::F16).unwrap();
+        let session = model
+            .open_session(64, Precision::Exact, KvType::F16)
+            .unwrap();
         let open_bytes = session.bytes();
         let block = session.kv_growth_bytes(1);
         assert!(block > 0, "a new session holds no KV block");

@@ -18,7 +18,7 @@ use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::Decode;
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::LsmFile;
-use leanstream_engine::model::map_file;
+use leanstream_engine::model::{load_bytes_estimate, map_file};
 use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::predict::PredictorKind;
 
@@ -74,24 +74,25 @@ impl Footprint {
         }
     }
 
-    /// The footprint of `file` run as `p` says, from the file size and (for sparse modes) the
-    /// `.lsm` header alone:
+    /// The footprint of `file` run as `p` says, from the file's header alone (nothing is
+    /// loaded before the footprint is reserved):
     ///
-    /// - `dense`: the whole file (every weight is read and kept);
-    /// - `mmap`: the whole file too: the OS page cache may keep every page of the map;
-    /// - `on-demand`, `prefetch`, `leanstream`: the file less its streamed FFN section (which is
-    ///   read into the cache, never mapped in), plus a cache of `cache_share` of the streamed
-    ///   bytes, rounded down to whole chunks (what the engine allocates).
+    /// - `dense`: the engine's bound of what the loaded model holds (every weight is read into
+    ///   owned memory, plus its tokenizer and tables: [`load_bytes_estimate`]);
+    /// - `mmap`: at least the whole file: the OS page cache may keep every page of the map;
+    /// - `on-demand`, `prefetch`, `leanstream`: the same bound without the streamed FFN section
+    ///   (only the I/O threads read it, into the cache), plus a cache wanted at `cache_share` of
+    ///   the streamed bytes, rounded down to whole chunks, with a floor of one layer's chunks.
     ///
     /// Sparse modes need a `.lsm` file; a GGUF file is refused with the command that converts it.
     pub fn of(file: &ModelFile, p: &ModelParams) -> Result<Footprint, LoadError> {
-        let whole = Footprint {
-            resident_bytes: file.bytes,
-            cache_bytes: 0,
-            cache_floor_bytes: 0,
-        };
+        let failed = |e: leanstream_engine::Error| LoadError::Failed(e.to_string());
         if p.mode == Mode::Dense {
-            return Ok(whole);
+            return Ok(Footprint {
+                resident_bytes: load_bytes_estimate(&file.path, false).map_err(failed)?,
+                cache_bytes: 0,
+                cache_floor_bytes: 0,
+            });
         }
         if file.format != "lsm" {
             return Err(LoadError::Failed(format!(
@@ -101,9 +102,14 @@ impl Footprint {
             )));
         }
         if p.mode == Mode::Mmap {
-            return Ok(whole);
+            // The page cache may keep every page of the map; the heap part is the estimate's.
+            let estimate = load_bytes_estimate(&file.path, false).map_err(failed)?;
+            return Ok(Footprint {
+                resident_bytes: estimate.max(file.bytes),
+                cache_bytes: 0,
+                cache_floor_bytes: 0,
+            });
         }
-        let failed = |e: leanstream_engine::Error| LoadError::Failed(e.to_string());
         let lsm =
             LsmFile::parse(&file.path, map_file(&file.path).map_err(failed)?).map_err(failed)?;
         let layout = ChunkLayout::from_header(&file.path, &lsm.header).map_err(failed)?;
@@ -111,7 +117,7 @@ impl Footprint {
         let chunks = ((p.cache_share * total as f64).floor() as usize).min(total);
         let wanted = (chunks * layout.chunk_bytes) as u64;
         Ok(Footprint {
-            resident_bytes: file.bytes.saturating_sub(lsm.header.streamed.len),
+            resident_bytes: load_bytes_estimate(&file.path, true).map_err(failed)?,
             cache_bytes: wanted,
             // A wanted size below the floor is refused at load with the key to raise.
             cache_floor_bytes: (layout.floor_bytes() as u64).min(wanted),
@@ -143,7 +149,9 @@ impl LoadedModel {
     /// scheduler runs a forward pass of this model (the executor is locked for one pass).
     pub fn resize_cache(&self, bytes: u64) -> Option<leanstream_engine::Result<u64>> {
         let ffn = self.ffn.as_ref()?;
-        let mut exec = ffn.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut exec = ffn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if exec.cache_bytes() as u64 == bytes {
             return Some(Ok(bytes));
         }
@@ -153,7 +161,9 @@ impl LoadedModel {
     /// The neuron cache's size now; `None` for a model without a cache.
     pub fn cache_held(&self) -> Option<u64> {
         let ffn = self.ffn.as_ref()?;
-        let exec = ffn.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let exec = ffn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         Some(exec.cache_bytes() as u64)
     }
 
@@ -286,7 +296,7 @@ impl LoadedModel {
 fn open_sparse(file: &ModelFile, p: &ModelParams) -> Result<Arc<SparseModel>, LoadError> {
     let name = &file.name;
     let off = p.sparsity == Some(0.0);
-    let mut sm = SparseModel::open(&file.path, !off).map_err(|e| {
+    let mut sm = SparseModel::open_for_mode(&file.path, p.mode, !off).map_err(|e| {
         LoadError::Failed(format!(
             "model {name} cannot run in `{}` mode: {e} (or set `{}` = 0 to stream it without \
              sparsity)",
@@ -341,18 +351,23 @@ mod tests {
         let params =
             fx.params("[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 0.75\n");
         let (fp, model) = load(&file, &params).unwrap();
-        // The streamed FFN section is not resident: it is read into the cache.
+        // The streamed FFN section is not resident: it is read into the cache. The reservation
+        // is the engine's bound of what the loaded model holds, and holds it.
         assert!(header.streamed.len > 0);
-        assert_eq!(fp.resident_bytes, file.bytes - header.streamed.len);
+        assert!(fp.resident_bytes < file.bytes, "{fp:?}");
+        assert!(fp.resident_bytes >= model.model.bytes(), "{fp:?}");
+        assert_eq!(fp.cache_floor_bytes, layout.floor_bytes() as u64);
         // 0.75 of 16 chunks, in whole chunks; the engine allocates exactly that.
         assert_eq!(fp.cache_bytes, 12 * layout.chunk_bytes as u64);
         let exec = model.ffn.as_ref().unwrap().lock().unwrap();
         assert_eq!(exec.cache_bytes() as u64, fp.cache_bytes);
         drop(exec);
 
-        // Dense mode keeps the whole file and has no pipeline.
+        // Dense mode keeps the whole file (and its tokenizer) and has no pipeline.
         let (fp, model) = load(&file, &fx.params("")).unwrap();
-        assert_eq!((fp.resident_bytes, fp.cache_bytes), (file.bytes, 0));
+        assert!(fp.resident_bytes >= file.bytes, "{fp:?}");
+        assert!(fp.resident_bytes >= model.model.bytes(), "{fp:?}");
+        assert_eq!(fp.cache_bytes, 0);
         assert!(model.ffn.is_none());
 
         // On the GPU the device copy of the resident weights counts too; the cache does not

@@ -205,12 +205,16 @@ mod tests {
         assert_eq!(m.report().models, [a]);
         let err = m.load_model("b", 40, 10, 10).unwrap_err();
         assert_eq!((err.needed, err.free), (50, 40));
-        m.open_session(1, "a", ":1.1", 30, Priority::Normal).unwrap();
+        m.open_session(1, "a", ":1.1", 30, Priority::Normal)
+            .unwrap();
         let before = m.report();
-        let err = m.open_session(2, "a", ":1.2", 11, Priority::Normal).unwrap_err();
+        let err = m
+            .open_session(2, "a", ":1.2", 11, Priority::Normal)
+            .unwrap_err();
         assert_eq!((err.needed, err.free), (11, 10));
         assert_eq!(m.report(), before);
-        m.open_session(3, "a", ":1.2", 10, Priority::Normal).unwrap();
+        m.open_session(3, "a", ":1.2", 10, Priority::Normal)
+            .unwrap();
         assert_eq!(m.report().used, 100);
         let err = m.resize_session(3, 11).unwrap_err();
         assert_eq!((err.needed, err.free), (1, 0));
@@ -230,7 +234,8 @@ mod tests {
         let m: &mut dyn Memory = &mut a;
         m.load_model("a", 20, 10, 70).unwrap();
         assert_eq!(m.cache_bytes("a"), Some(70));
-        m.open_session(1, "a", ":1.1", 30, Priority::Normal).unwrap();
+        m.open_session(1, "a", ":1.1", 30, Priority::Normal)
+            .unwrap();
         assert_eq!(m.cache_bytes("a"), Some(50));
         m.resize_session(1, 70).unwrap();
         assert_eq!(m.cache_bytes("a"), Some(10), "shrunk to its floor");

@@ -453,7 +453,8 @@ impl<M: Memory> State<M> {
                     )));
                 }
             }
-            self.clients.insert(client.to_string(), ClientEntry::default());
+            self.clients
+                .insert(client.to_string(), ClientEntry::default());
         }
         match self.clients.get_mut(client) {
             Some(entry) => Ok(entry),
@@ -463,7 +464,11 @@ impl<M: Memory> State<M> {
 
     /// Sessions of `client`, open or waiting for their model.
     fn sessions_of(&self, client: &str) -> usize {
-        let open = self.sessions.values().filter(|s| s.client == client).count();
+        let open = self
+            .sessions
+            .values()
+            .filter(|s| s.client == client)
+            .count();
         let waiting: usize = self
             .models
             .values()

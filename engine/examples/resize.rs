@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::{load_imported, lsm};
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::predict::PredictorKind;
@@ -63,6 +64,7 @@ fn main() -> anyhow::Result<()> {
             io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
             precision: Precision::Fast,
             predictor: calibrated.then_some(PredictorKind::LowRank),
+            verify_chunks: true,
         },
     )?;
     let mut exec = exec;
@@ -73,7 +75,12 @@ fn main() -> anyhow::Result<()> {
         streamed >> 20,
         exec.cache_floor_bytes() >> 10
     );
-    let mut session = Session::new(Arc::clone(&sm.model), 512, Precision::Fast)?;
+    let mut session = Session::new(
+        Arc::clone(&sm.model),
+        512,
+        Precision::Fast,
+        KvType::default(),
+    )?;
     let mut next = argmax(session.forward_batch(&[1, 2, 3])?);
     decode(&mut session, &mut exec, &mut next, tokens)?; // warm the cache at 50 %
     let tok_s = decode(&mut session, &mut exec, &mut next, tokens)?;

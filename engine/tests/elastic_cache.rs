@@ -9,6 +9,7 @@ use leanstream_engine::Error;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::cache::Lookup;
 use leanstream_engine::forward::Session;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;
@@ -32,6 +33,7 @@ fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
         io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
         precision: Precision::Exact,
         predictor: None, // sparsity off: every chunk of every layer is computed
+        verify_chunks: true,
     }
 }
 
@@ -48,7 +50,8 @@ fn generate(
         .tokenizer
         .encode("the cat sat on the mat")
         .expect("encode");
-    let mut s = Session::new(Arc::clone(&sm.model), 64, Precision::Exact).expect("session");
+    let mut s =
+        Session::new(Arc::clone(&sm.model), 64, Precision::Exact, KvType::F32).expect("session");
     let mut logits = Vec::new();
     let mut pass = 0;
     let mut step = |token: u32, exec: &mut Executor, logits: &mut Vec<Vec<f32>>| {

@@ -65,6 +65,7 @@ fn every_mode_with_sparsity_off_equals_the_dense_forward_pass() {
     // A quarter of the FFN: chunks are evicted and read again on every token.
     let budget = sm.layout.streamed_bytes() / 4;
     for mode in [Mode::Mmap, Mode::OnDemand, Mode::Prefetch, Mode::LeanStream] {
+        let sm = SparseModel::open_for_mode(&common::real_lsm(), mode, false).unwrap();
         let mut exec = Executor::new(&sm, options(mode, budget)).unwrap();
         let (ids, logits) = sparse_run(&sm, &mut exec, 8);
         let diff = dense_logits

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use leanstream_engine::Error;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
+use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 
 const STREAMING: [Mode; 3] = [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream];
@@ -46,7 +47,7 @@ fn executor(sm: &Arc<SparseModel>, mode: Mode) -> Executor {
 
 /// The logits of the last of `TOKENS` in a fresh session, or the first error.
 fn run(sm: &SparseModel, exec: &mut Executor) -> leanstream_engine::Result<Vec<f32>> {
-    let mut s = Session::new(Arc::clone(&sm.model), 16, Precision::Exact)?;
+    let mut s = Session::new(Arc::clone(&sm.model), 16, Precision::Exact, KvType::F32)?;
     let mut last = Vec::new();
     for &t in &TOKENS {
         last = s.forward_with(t, exec)?.to_vec();

@@ -23,7 +23,11 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Links the real model into the daemon's model directory under `name` (dense, GGUF).
 fn add_model(daemon: &Daemon, name: &str) -> anyhow::Result<()> {
-    let target = daemon.dir.path().join("models").join(format!("{name}.gguf"));
+    let target = daemon
+        .dir
+        .path()
+        .join("models")
+        .join(format!("{name}.gguf"));
     let source = real_model().canonicalize()?;
     if std::fs::hard_link(&source, &target).is_err() {
         std::fs::copy(&source, &target)?;
@@ -86,7 +90,10 @@ fn clients_that_open_and_vanish_leave_no_session_behind() -> anyhow::Result<()> 
         }
         stop.store(true, Ordering::Relaxed);
         let normal = worker.await??;
-        assert!(served.load(Ordering::Relaxed) > 0, "the normal client was served");
+        assert!(
+            served.load(Ordering::Relaxed) > 0,
+            "the normal client was served"
+        );
         // Every vanished client's session is closed once the daemon has seen it go.
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -143,7 +150,10 @@ fn one_client_cannot_hoard_sessions_or_models() -> anyhow::Result<()> {
         hoarder.manager.load_model("second").await?;
         hoarder.manager.load_model(MODEL).await?;
         hoarder.manager.load_model("second").await?;
-        assert_eq!(error_name(hoarder.manager.load_model("third").await), "Busy");
+        assert_eq!(
+            error_name(hoarder.manager.load_model("third").await),
+            "Busy"
+        );
         other.manager.load_model("third").await?;
         // Unloading frees a pin.
         hoarder.manager.unload_model("second").await?;
@@ -245,7 +255,12 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
         let mut cycles = 0;
         let mut refused_loads = 0;
         while talkers.iter().any(|t| !t.is_finished()) {
-            match loader.manager.load_model("stream").await.map_err(Into::into) {
+            match loader
+                .manager
+                .load_model("stream")
+                .await
+                .map_err(Into::into)
+            {
                 Ok(()) => {
                     let path = loader.manager.open_session("stream", 64).await?;
                     let s = session_proxy(&loader.conn, path).await?;

@@ -55,7 +55,7 @@ pub enum ArbiterError {
     },
 }
 
-    #[cfg(test)]
+#[cfg(test)]
 impl ArbiterError {
     /// The D-Bus error name (without the `io.github.leanstream.LeanStream1.Error.` prefix) the
     /// daemon sends for this error.

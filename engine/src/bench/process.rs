@@ -49,6 +49,14 @@ pub fn storage_read_bytes() -> u64 {
 pub fn drop_page_cache(path: &Path) -> bool {
     std::fs::File::open(path)
         .ok()
-        .and_then(|f| rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).ok())
+        .and_then(|f| {
+            nix::fcntl::posix_fadvise(
+                &f,
+                0,
+                0,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+            )
+            .ok()
+        })
         .is_some()
 }

@@ -164,7 +164,7 @@ fn run_one(
     let (model, exec) = if mode == Mode::Dense {
         (Model::load(&cfg.model)?, None)
     } else {
-        let sm = SparseModel::open(&cfg.model, true)?;
+        let sm = SparseModel::open_for_mode(&cfg.model, mode, true)?;
         chunk_bytes = sm.layout.chunk_bytes;
         let cache_bytes = budget.map_or(0, |b| (b * sm.layout.streamed_bytes() as f64) as usize);
         let exec = Executor::new(

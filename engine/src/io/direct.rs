@@ -11,8 +11,9 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
-use rustix::fs::{Mode, OFlags};
-use rustix::io::Errno;
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
 
 use super::PAGE;
 use super::read::{ReadAt, ReadCounters, check_alignment, read_exact_at};
@@ -36,9 +37,9 @@ impl DirectFile {
     /// refuses `O_DIRECT` (logged once per process). Errors name the path.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         Self::open_with(path.as_ref(), |p| {
-            rustix::fs::open(
+            nix::fcntl::open(
                 p,
-                OFlags::RDONLY | OFlags::CLOEXEC | OFlags::DIRECT,
+                OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_DIRECT,
                 Mode::empty(),
             )
         })
@@ -55,11 +56,11 @@ impl DirectFile {
     /// [`DirectFile::open`] with the `O_DIRECT` open injected, so tests can make it refuse.
     fn open_with(
         path: &Path,
-        open_direct: impl FnOnce(&Path) -> rustix::io::Result<OwnedFd>,
+        open_direct: impl FnOnce(&Path) -> nix::Result<OwnedFd>,
     ) -> Result<Self> {
         match open_direct(path) {
             Ok(fd) => Self::finish(fd, path, true),
-            Err(Errno::INVAL) => {
+            Err(Errno::EINVAL) => {
                 FALLBACK_LOGGED.call_once(|| {
                     tracing::warn!(
                         path = %path.display(),
@@ -75,7 +76,7 @@ impl DirectFile {
     }
 
     fn finish(fd: OwnedFd, path: &Path, direct: bool) -> Result<Self> {
-        let stat = rustix::fs::fstat(&fd).map_err(|e| Error::io(path, e.into()))?;
+        let stat = nix::sys::stat::fstat(&fd).map_err(|e| Error::io(path, e.into()))?;
         Ok(DirectFile {
             fd,
             path: path.to_owned(),
@@ -111,14 +112,22 @@ impl DirectFile {
     }
 }
 
-fn open_plain(path: &Path) -> rustix::io::Result<OwnedFd> {
-    rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+fn open_plain(path: &Path) -> nix::Result<OwnedFd> {
+    nix::fcntl::open(path, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
 }
 
 impl ReadAt for DirectFile {
     fn read_at(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<usize> {
         check_alignment(bufs, offset, self.alignment())?;
-        Ok(rustix::io::preadv(&self.fd, bufs, offset)?)
+        let offset = libc::off_t::try_from(offset).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("offset {offset} does not fit off_t"),
+            )
+        })?;
+        // One preadv(2); EINTR comes back as `Interrupted` and short reads as a smaller count,
+        // which the exact-read loop continues.
+        Ok(nix::sys::uio::preadv(&self.fd, bufs, offset)?)
     }
 
     fn alignment(&self) -> usize {
@@ -196,7 +205,7 @@ mod tests {
     fn refused_o_direct_falls_back_to_buffered_reads() {
         let dir = disk_tempdir();
         let (path, data) = write_file(dir.path(), 3 * PAGE);
-        let f = DirectFile::open_with(&path, |_| Err(Errno::INVAL)).expect("fallback open");
+        let f = DirectFile::open_with(&path, |_| Err(Errno::EINVAL)).expect("fallback open");
         assert!(!f.is_direct());
         assert_eq!(f.alignment(), 1);
         let mut buf = vec![0u8; 1000];
@@ -205,7 +214,7 @@ mod tests {
         assert_eq!(buf, data[17..1017]);
         // A second fallback logs nothing more and still works.
         assert!(
-            !DirectFile::open_with(&path, |_| Err(Errno::INVAL))
+            !DirectFile::open_with(&path, |_| Err(Errno::EINVAL))
                 .expect("again")
                 .is_direct()
         );
@@ -233,7 +242,7 @@ mod tests {
             err.to_string().contains("/nonexistent/leanstream.lsm"),
             "{err}"
         );
-        let err = DirectFile::open_with(Path::new("/x"), |_| Err(Errno::ACCESS)).expect_err("e");
+        let err = DirectFile::open_with(Path::new("/x"), |_| Err(Errno::EACCES)).expect_err("e");
         assert!(matches!(err, Error::Io { .. }), "{err}");
     }
 }

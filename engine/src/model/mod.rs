@@ -7,6 +7,7 @@
 
 mod bytes;
 mod config;
+mod footprint;
 pub mod gguf;
 pub mod lsm;
 pub mod safetensors;
@@ -15,13 +16,30 @@ mod weights;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use bytes::{TensorBytes, map_file};
+pub use bytes::{OwnedBytes, TensorBytes, map_file, map_range, read_file};
 pub use config::{Architecture, FfnActivation, ModelConfig, RopeStyle};
+pub use footprint::{ModelBytes, load_bytes_estimate};
 pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
 
 use crate::quant::DType;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+
+/// How a loaded model file's bytes are held. Owned by default: a file the process owns a copy of
+/// cannot fault it when truncated, nor change under it (the why is in [`TensorBytes`]'s module).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Residency {
+    /// Every byte read into memory the process owns (dense mode, tools).
+    #[default]
+    Owned,
+    /// Owned, except a `.lsm` file's streamed FFN section, which the streaming modes read only
+    /// with the I/O workers (`O_DIRECT`, into the neuron cache): it is never resident. Its weight
+    /// views map the section (for recall measurement only). Other formats are read whole.
+    OwnedExceptStreamed,
+    /// The whole file memory-mapped: `mmap` mode only, the llama.cpp-like baseline, which maps
+    /// the file by definition. Not protected: truncating the file while loaded is a `SIGBUS`.
+    Mapped,
+}
 
 /// One stored tensor: element type, shape and bytes.
 #[derive(Clone, Debug)]

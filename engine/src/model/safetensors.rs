@@ -15,7 +15,7 @@ use serde_json::Value as Json;
 
 use super::gguf::writer::{TinyArch, TinyLlama};
 use super::{
-    Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, TensorRef, map_file,
+    Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, TensorRef, read_file,
 };
 use crate::quant::DType;
 use crate::tokenizer::{SpecialTokens, Tokenizer};
@@ -178,7 +178,7 @@ fn read_shard(
     n_layers: usize,
     out: &mut BTreeMap<String, (TensorRef, PathBuf)>,
 ) -> Result<()> {
-    let bytes = map_file(file)?;
+    let bytes = read_file(file)?;
     let (header_len, metadata) = SafeTensors::read_metadata(&bytes)
         .map_err(|e| Error::invalid_file(file, format!("safetensors header: {e}")))?;
     let data_start = header_len
@@ -250,13 +250,24 @@ fn read_shard(
 }
 
 /// Imports a Hugging Face model directory.
-pub fn import(dir: &Path) -> Result<ImportedModel> {
+/// Reads and validates a model directory's `config.json`.
+pub(crate) fn read_config(dir: &Path) -> Result<ModelConfig> {
+    read_hf_config(dir).map(|(_, _, c)| c)
+}
+
+/// `config.json`'s path, its raw form and the validated config.
+fn read_hf_config(dir: &Path) -> Result<(PathBuf, HfConfig, ModelConfig)> {
     let config_path = dir.join("config.json");
     let raw = read_json(&config_path)?
         .ok_or_else(|| Error::invalid_file(dir, "config.json is missing"))?;
     let hf: HfConfig = serde_json::from_value(raw)
         .map_err(|e| Error::invalid_file(&config_path, format!("unexpected field type: {e}")))?;
     let config = map_config(&config_path, &hf)?;
+    Ok((config_path, hf, config))
+}
+
+pub fn import(dir: &Path) -> Result<ImportedModel> {
+    let (config_path, hf, config) = read_hf_config(dir)?;
 
     let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?

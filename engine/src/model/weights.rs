@@ -1,6 +1,6 @@
 //! Compute-ready weights: every matrix as [`QRows`], every shape checked once at build time.
 
-use super::{ImportedModel, ModelConfig, TensorBytes, TensorRef};
+use super::{ImportedModel, ModelConfig, OwnedBytes, TensorBytes, TensorRef};
 use crate::quant::DType;
 use crate::{Error, Result};
 
@@ -99,6 +99,11 @@ impl QRows {
     /// Total bytes of all rows (not counting padding between them).
     pub fn stored_bytes(&self) -> usize {
         self.rows * self.row_bytes()
+    }
+
+    /// The bytes the rows are views of (shared with other matrices of the same file).
+    pub fn backing(&self) -> &TensorBytes {
+        &self.data
     }
 }
 
@@ -214,6 +219,41 @@ impl TensorTable<'_> {
 }
 
 impl Weights {
+    /// Memory these weights hold that the process owns: each distinct backing of the matrices
+    /// once (the file image, less skipped ranges; nothing for a memory map) and the f32 tables
+    /// derived at build time (norms, biases) with the layer table, on the heap.
+    pub fn bytes(&self) -> OwnedBytes {
+        let mut seen: Vec<usize> = Vec::new();
+        let mut out = OwnedBytes::default();
+        let mut rows = |q: &QRows| {
+            let b = q.backing();
+            if !seen.contains(&b.backing_id()) {
+                seen.push(b.backing_id());
+                out += b.backing_bytes();
+            }
+        };
+        let f32s = |v: &Vec<f32>| (v.capacity() * 4) as u64;
+        let mut tables = f32s(&self.output_norm)
+            + (self.layers.capacity() * std::mem::size_of::<LayerWeights>()) as u64;
+        rows(&self.token_embd);
+        rows(&self.output);
+        for l in &self.layers {
+            for q in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn.gate, &l.ffn.up] {
+                rows(q);
+            }
+            match &l.ffn.down {
+                Down::Rows(q) | Down::Neurons(q) => rows(q),
+            }
+            tables += f32s(&l.attn_norm) + f32s(&l.ffn_norm);
+            tables += [&l.bq, &l.bk, &l.bv]
+                .iter()
+                .map(|b| b.as_ref().map_or(0, f32s))
+                .sum::<u64>();
+        }
+        out.heap += tables;
+        out
+    }
+
     /// Bytes of weights one dense decode step reads: every projection of every layer, the output
     /// head, and one embedding row (norm vectors are negligible and not counted).
     pub fn dense_bytes_per_token(&self) -> usize {

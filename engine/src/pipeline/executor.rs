@@ -12,7 +12,7 @@ use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
 use crate::io::{DirectFile, IoOptions, ThreadPoolIo};
-use crate::model::LayerWeights;
+use crate::model::{LayerWeights, Residency};
 use crate::predict::PredictorKind;
 use crate::{Error, Result};
 
@@ -51,6 +51,12 @@ impl Executor {
             Mode::Dense => Err(Error::InvalidArgument {
                 arg: "mode",
                 reason: "dense mode runs the dense forward pass, not a sparse pipeline".into(),
+            }),
+            Mode::Mmap if sm.residency != Residency::Mapped => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "mmap mode reads the FFN through a map of the whole file: open the model \
+                         with SparseModel::open_for_mode(.., Mode::Mmap, ..)"
+                    .into(),
             }),
             Mode::Mmap => Ok(Executor::Mmap(Box::new(MmapFfn::new(
                 Arc::clone(sm),

@@ -1,5 +1,6 @@
-//! A `.lsm` model opened for sparse execution: resident weights mapped, the streamed FFN section
-//! left on storage, plus what calibration wrote (thresholds, statistics, predictors).
+//! A `.lsm` model opened for sparse execution: resident weights read into owned memory (mapped
+//! for `mmap` mode), the streamed FFN section left on storage, plus what calibration wrote
+//! (thresholds, statistics, predictors).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,19 +9,21 @@ use super::layout::ChunkLayout;
 use super::select::{AllNeurons, NeuronScorer};
 use crate::Result;
 use crate::forward::Model;
-use crate::model::TensorBytes;
 use crate::model::lsm::LsmFile;
+use crate::model::{Residency, TensorBytes};
 use crate::predict::{PredictScratch, Predictor, PredictorKind};
 
 /// A model ready for the sparse pipelines. Shared by every session and pipeline on it.
 #[derive(Debug)]
 pub struct SparseModel {
-    /// Resident weights, tokenizer and template. Its FFN weights are views of the memory map and
-    /// are touched only by `dense` and `mmap` modes and by recall measurement.
+    /// Resident weights, tokenizer and template. Its FFN weights are views of a memory map of the
+    /// streamed section and are touched only by `mmap` mode and by recall measurement.
     pub model: Arc<Model>,
     pub layout: ChunkLayout,
-    /// The whole file, memory-mapped.
+    /// The whole file as `residency` holds it: its streamed range is the file's only when
+    /// [`Residency::Mapped`] (what `mmap` mode reads); zeros otherwise.
     pub file: TensorBytes,
+    pub residency: Residency,
     pub path: PathBuf,
     /// Per layer: activations with a smaller magnitude count as inactive.
     pub thresholds: Vec<f32>,
@@ -35,10 +38,34 @@ pub struct SparseModel {
 }
 
 impl SparseModel {
-    /// Opens `path` without reading the streamed section. With `require_calibration`, a file
-    /// that was never calibrated is refused with a message naming `leanstream calibrate`.
+    /// Opens `path` for a streaming mode: everything but the streamed section read into owned
+    /// memory ([`Residency::OwnedExceptStreamed`]). With `require_calibration`, a file that was
+    /// never calibrated is refused with a message naming `leanstream calibrate`.
     pub fn open(path: &Path, require_calibration: bool) -> Result<Arc<SparseModel>> {
-        let f = LsmFile::open(path)?;
+        Self::open_with(path, require_calibration, Residency::OwnedExceptStreamed)
+    }
+
+    /// Opens `path` for `mode`: mapped for `mmap` mode (which reads the FFN through the map),
+    /// otherwise as [`SparseModel::open`].
+    pub fn open_for_mode(
+        path: &Path,
+        mode: super::Mode,
+        require_calibration: bool,
+    ) -> Result<Arc<SparseModel>> {
+        let residency = match mode {
+            super::Mode::Mmap => Residency::Mapped,
+            _ => Residency::OwnedExceptStreamed,
+        };
+        Self::open_with(path, require_calibration, residency)
+    }
+
+    /// [`SparseModel::open`] with the file held as `residency` says.
+    pub fn open_with(
+        path: &Path,
+        require_calibration: bool,
+        residency: Residency,
+    ) -> Result<Arc<SparseModel>> {
+        let f = LsmFile::open_with(path, residency)?;
         let tokenizer = f.tokenizer()?;
         let weights = f.weights(path, tokenizer.clone())?;
         let layout = ChunkLayout::from_header(path, &f.header)?;
@@ -68,6 +95,7 @@ impl SparseModel {
             }),
             layout,
             file: f.data.clone(),
+            residency,
             path: path.to_path_buf(),
             thresholds,
             chunk_frequency,

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::value::{self, Array, SUPPORTED_NAMES, Value, type_id};
-use crate::model::{TensorBytes, TensorRef, map_file};
+use crate::model::{TensorBytes, TensorRef, read_file};
 use crate::quant::DType;
 use crate::{Error, Result};
 
@@ -226,9 +226,9 @@ impl<'a> Reader<'a> {
 }
 
 impl GgufFile {
-    /// Maps and parses the file at `path`.
+    /// Reads the file at `path` into owned memory and parses it.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        GgufFile::parse(path, map_file(path)?)
+        GgufFile::parse(path, read_file(path)?)
     }
 
     /// Parses GGUF bytes. `path` is only used in error messages. Never panics on malformed input:

@@ -7,7 +7,7 @@
 //!               the section table, the resident tensor directory and the FFN layout.
 //! 4 KiB-aligned sections, each with its CRC-32 in the table:
 //!   resident    every tensor except the FFN, in its source type, each 64-byte aligned;
-//!               read once (memory-mapped).
+//!               read once into owned memory (see [`Residency`]).
 //!   streamed    per layer, the FFN as neuron bundles: for neuron i, its gate row, up row and down
 //!               column stored back to back; `chunk_neurons` bundles make a chunk, every chunk
 //!               starts on a 4 KiB boundary so that one O_DIRECT read lands it in a cache slot.
@@ -31,7 +31,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Down, FfnWeights, ImportedModel, ModelConfig, QRows, TensorBytes, TensorRef, Weights};
+use super::bytes::FileImage;
+use super::{
+    Down, FfnWeights, ImportedModel, ModelConfig, QRows, Residency, TensorBytes, TensorRef, Weights,
+};
 use crate::quant::DType;
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
@@ -135,11 +138,17 @@ pub struct Header {
     pub calibration: Option<Calibration>,
 }
 
-/// An opened `.lsm` file: its header and the memory map of the whole file.
+/// An opened `.lsm` file: its header and its bytes.
 #[derive(Debug)]
 pub struct LsmFile {
     pub header: Header,
+    /// The whole file, held as the [`Residency`] it was opened with says; with
+    /// [`Residency::OwnedExceptStreamed`] its streamed range reads as zeros.
     pub data: TensorBytes,
+    /// The streamed FFN section: a view of `data`, or with [`Residency::OwnedExceptStreamed`] a
+    /// memory map of just that section, which only recall measurement and dense compute touch
+    /// (the streaming modes read chunks with the I/O workers instead).
+    pub streamed: TensorBytes,
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -152,12 +161,178 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
+/// Parses the preamble and the JSON header at the start of `b` (the whole file, or at least its
+/// first bytes up to the header's end; `b.len()` is taken as the file's length).
+fn parse_header(path: &Path, b: &[u8]) -> Result<Header> {
+    let bad = |reason: String| Error::invalid_file(path, reason);
+    if b.len() < PREAMBLE_LEN {
+        return Err(bad(format!(
+            "{} bytes is too short for the preamble",
+            b.len()
+        )));
+    }
+    if b[..8] != MAGIC {
+        return Err(bad("wrong magic bytes: not a LeanStream .lsm file".into()));
+    }
+    let version = u32_at(b, 8);
+    if version != VERSION {
+        return Err(Error::unsupported(
+            path,
+            format!("format version {version}; this build reads version {VERSION}"),
+        ));
+    }
+    let header_len = u64_at(b, 16);
+    let header_crc = u32_at(b, 24);
+    if header_len > MAX_HEADER_LEN || PREAMBLE_LEN as u64 + header_len > b.len() as u64 {
+        return Err(bad(format!(
+            "header length {header_len} runs past the end of the file ({} bytes): truncated?",
+            b.len()
+        )));
+    }
+    let raw = &b[PREAMBLE_LEN..PREAMBLE_LEN + header_len as usize];
+    if crc32fast::hash(raw) != header_crc {
+        return Err(bad("header checksum mismatch: the file is corrupted".into()));
+    }
+    let header: Header =
+        serde_json::from_slice(raw).map_err(|e| bad(format!("header is not valid: {e}")))?;
+    Ok(header)
+}
+
+/// `data`'s view of section `s` (checked against the file's length by [`check_layout`]).
+fn section(path: &Path, data: &TensorBytes, s: &Section) -> Result<TensorBytes> {
+    let range = usize::try_from(s.offset)
+        .ok()
+        .zip(usize::try_from(s.len).ok());
+    range
+        .and_then(|(offset, len)| data.slice(offset, len))
+        .ok_or_else(|| Error::invalid_file(path, "section out of range"))
+}
+
+/// Checks every offset of a parsed header against the file's length.
+fn check_layout(path: &Path, h: &Header, file_len: u64) -> Result<()> {
+    let bad = |reason: String| Err(Error::invalid_file(path, reason));
+    let c = &h.config;
+    c.validate().map_err(|r| Error::invalid_file(path, r))?;
+    for (name, s) in [("resident", &h.resident), ("streamed", &h.streamed)] {
+        match s.offset.checked_add(s.len) {
+            Some(end) if end <= file_len => {}
+            _ => {
+                return bad(format!(
+                    "{name} section ({} bytes at {}) runs past the end of the file ({file_len} bytes): truncated?",
+                    s.len, s.offset
+                ));
+            }
+        }
+    }
+    for t in &h.tensors {
+        if t.offset
+            .checked_add(t.len)
+            .is_none_or(|end| end > h.resident.len)
+        {
+            return bad(format!(
+                "tensor `{}` lies outside the resident section",
+                t.name
+            ));
+        }
+    }
+    let ffn = &h.ffn;
+    let Some((_, down_at)) = ffn.bundle_offsets(c.d_model) else {
+        return bad("FFN row types do not fit d_model".into());
+    };
+    let down_bytes = ffn.down_dtype.row_bytes(c.d_model).unwrap_or(usize::MAX);
+    if ffn.chunk_neurons == 0
+        || down_at.checked_add(down_bytes) != Some(ffn.bundle_bytes)
+        || ffn
+            .chunk_neurons
+            .checked_mul(ffn.bundle_bytes)
+            .is_none_or(|b| b > ffn.chunk_bytes)
+        || !ffn.chunk_bytes.is_multiple_of(ALIGN)
+    {
+        return bad("inconsistent FFN chunk layout".into());
+    }
+    let chunks = ffn.chunks_per_layer(c.n_ff) as u64;
+    if ffn.layer_offsets.len() != c.n_layers || ffn.chunk_crc32.len() != c.n_layers {
+        return bad(format!(
+            "FFN layout lists {} layers, the model has {}",
+            ffn.layer_offsets.len(),
+            c.n_layers
+        ));
+    }
+    for (l, (&off, crcs)) in ffn.layer_offsets.iter().zip(&ffn.chunk_crc32).enumerate() {
+        let end = (ffn.chunk_bytes as u64)
+            .checked_mul(chunks)
+            .and_then(|n| n.checked_add(off));
+        if end.is_none_or(|e| e > h.streamed.len) || off % ALIGN as u64 != 0 {
+            return bad(format!("FFN layer {l} lies outside the streamed section"));
+        }
+        if crcs.len() as u64 != chunks {
+            return bad(format!(
+                "FFN layer {l} has {} chunk checksums, expected {chunks}",
+                crcs.len()
+            ));
+        }
+    }
+    if !ffn.permutation.is_empty() {
+        for (l, p) in ffn.permutation.iter().enumerate() {
+            let mut seen = vec![false; c.n_ff];
+            let ok = p.len() == c.n_ff
+                && p.iter().all(|&i| {
+                    (i as usize) < c.n_ff && !std::mem::replace(&mut seen[i as usize], true)
+                });
+            if !ok || ffn.permutation.len() != c.n_layers {
+                return bad(format!(
+                    "FFN layer {l}: neuron permutation is not a permutation"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl LsmFile {
-    /// Opens and validates a `.lsm` file (checksums of the resident section included; streamed
-    /// chunks are verified when read, see [`LsmFile::verify_streamed`]).
+    /// Opens and validates a `.lsm` file read whole into owned memory ([`Residency::Owned`]).
     pub fn open(path: &Path) -> Result<LsmFile> {
-        let data = super::map_file(path)?;
-        let f = LsmFile::parse(path, data)?;
+        Self::open_with(path, Residency::Owned)
+    }
+
+    /// Opens and validates a `.lsm` file held as `residency` says (checksums of the resident
+    /// section included; streamed chunks are verified when read, see
+    /// [`LsmFile::verify_streamed`] and the I/O pool's checks).
+    pub fn open_with(path: &Path, residency: Residency) -> Result<LsmFile> {
+        let f = match residency {
+            Residency::Mapped => LsmFile::parse(path, super::map_file(path)?)?,
+            Residency::Owned | Residency::OwnedExceptStreamed => {
+                let skip = residency == Residency::OwnedExceptStreamed;
+                let mut image = FileImage::open(path)?;
+                image.fill(0..PREAMBLE_LEN as u64)?;
+                let header_len = match image.bytes() {
+                    b if b.len() >= PREAMBLE_LEN => u64_at(b, 16).min(MAX_HEADER_LEN),
+                    _ => 0,
+                };
+                image.fill(PREAMBLE_LEN as u64..PREAMBLE_LEN as u64 + header_len)?;
+                let header = parse_header(path, image.bytes())?;
+                check_layout(path, &header, image.len())?;
+                let rest = PREAMBLE_LEN as u64 + header_len..image.len();
+                let s = &header.streamed;
+                if skip {
+                    image.fill(rest.start..s.offset)?;
+                    image.fill(s.offset + s.len..rest.end)?;
+                } else {
+                    image.fill(rest)?;
+                }
+                let data = image.finish()?;
+                let streamed = if skip {
+                    super::map_range(path, s.offset, s.len)?
+                } else {
+                    section(path, &data, s)?
+                };
+                LsmFile {
+                    header,
+                    data,
+                    streamed,
+                }
+            }
+        };
         f.verify_section(path, "resident", &f.header.resident)?;
         Ok(f)
     }
@@ -165,123 +340,14 @@ impl LsmFile {
     /// Parses the preamble and header from bytes and checks every offset against the file size.
     /// Never panics on any input (this is the fuzz target).
     pub fn parse(path: &Path, data: TensorBytes) -> Result<LsmFile> {
-        let bad = |reason: String| Error::invalid_file(path, reason);
-        let b = data.as_slice();
-        if b.len() < PREAMBLE_LEN {
-            return Err(bad(format!(
-                "{} bytes is too short for the preamble",
-                b.len()
-            )));
-        }
-        if b[..8] != MAGIC {
-            return Err(bad("wrong magic bytes: not a LeanStream .lsm file".into()));
-        }
-        let version = u32_at(b, 8);
-        if version != VERSION {
-            return Err(Error::unsupported(
-                path,
-                format!("format version {version}; this build reads version {VERSION}"),
-            ));
-        }
-        let header_len = u64_at(b, 16);
-        let header_crc = u32_at(b, 24);
-        if header_len > MAX_HEADER_LEN || PREAMBLE_LEN as u64 + header_len > b.len() as u64 {
-            return Err(bad(format!(
-                "header length {header_len} runs past the end of the file ({} bytes): truncated?",
-                b.len()
-            )));
-        }
-        let raw = &b[PREAMBLE_LEN..PREAMBLE_LEN + header_len as usize];
-        if crc32fast::hash(raw) != header_crc {
-            return Err(bad("header checksum mismatch: the file is corrupted".into()));
-        }
-        let header: Header =
-            serde_json::from_slice(raw).map_err(|e| bad(format!("header is not valid: {e}")))?;
-        let f = LsmFile { header, data };
-        f.check_layout(path)?;
-        Ok(f)
-    }
-
-    fn check_layout(&self, path: &Path) -> Result<()> {
-        let bad = |reason: String| Err(Error::invalid_file(path, reason));
-        let h = &self.header;
-        let c = &h.config;
-        c.validate().map_err(|r| Error::invalid_file(path, r))?;
-        let file_len = self.data.len() as u64;
-        for (name, s) in [("resident", &h.resident), ("streamed", &h.streamed)] {
-            match s.offset.checked_add(s.len) {
-                Some(end) if end <= file_len => {}
-                _ => {
-                    return bad(format!(
-                        "{name} section ({} bytes at {}) runs past the end of the file ({file_len} bytes): truncated?",
-                        s.len, s.offset
-                    ));
-                }
-            }
-        }
-        for t in &h.tensors {
-            if t.offset
-                .checked_add(t.len)
-                .is_none_or(|end| end > h.resident.len)
-            {
-                return bad(format!(
-                    "tensor `{}` lies outside the resident section",
-                    t.name
-                ));
-            }
-        }
-        let ffn = &h.ffn;
-        let Some((_, down_at)) = ffn.bundle_offsets(c.d_model) else {
-            return bad("FFN row types do not fit d_model".into());
-        };
-        let down_bytes = ffn.down_dtype.row_bytes(c.d_model).unwrap_or(usize::MAX);
-        if ffn.chunk_neurons == 0
-            || down_at.checked_add(down_bytes) != Some(ffn.bundle_bytes)
-            || ffn
-                .chunk_neurons
-                .checked_mul(ffn.bundle_bytes)
-                .is_none_or(|b| b > ffn.chunk_bytes)
-            || !ffn.chunk_bytes.is_multiple_of(ALIGN)
-        {
-            return bad("inconsistent FFN chunk layout".into());
-        }
-        let chunks = ffn.chunks_per_layer(c.n_ff) as u64;
-        if ffn.layer_offsets.len() != c.n_layers || ffn.chunk_crc32.len() != c.n_layers {
-            return bad(format!(
-                "FFN layout lists {} layers, the model has {}",
-                ffn.layer_offsets.len(),
-                c.n_layers
-            ));
-        }
-        for (l, (&off, crcs)) in ffn.layer_offsets.iter().zip(&ffn.chunk_crc32).enumerate() {
-            let end = (ffn.chunk_bytes as u64)
-                .checked_mul(chunks)
-                .and_then(|n| n.checked_add(off));
-            if end.is_none_or(|e| e > h.streamed.len) || off % ALIGN as u64 != 0 {
-                return bad(format!("FFN layer {l} lies outside the streamed section"));
-            }
-            if crcs.len() as u64 != chunks {
-                return bad(format!(
-                    "FFN layer {l} has {} chunk checksums, expected {chunks}",
-                    crcs.len()
-                ));
-            }
-        }
-        if !ffn.permutation.is_empty() {
-            for (l, p) in ffn.permutation.iter().enumerate() {
-                let mut seen = vec![false; c.n_ff];
-                let ok = p.len() == c.n_ff
-                    && p.iter().all(|&i| {
-                        (i as usize) < c.n_ff && !std::mem::replace(&mut seen[i as usize], true)
-                    });
-                if !ok || ffn.permutation.len() != c.n_layers {
-                    return bad(format!(
-                        "FFN layer {l}: neuron permutation is not a permutation"
-                    ));
-                }
-            }
-        }
-        Ok(())
+        let header = parse_header(path, data.as_slice())?;
+        check_layout(path, &header, data.len() as u64)?;
+        let streamed = section(path, &data, &header.streamed)?;
+        Ok(LsmFile {
+            header,
+            data,
+            streamed,
+        })
     }
 
     fn section_bytes(&self, s: &Section) -> &[u8] {
@@ -301,7 +367,7 @@ impl LsmFile {
     /// Verifies every streamed chunk's checksum (the dense loader does this once at load).
     pub fn verify_streamed(&self, path: &Path) -> Result<()> {
         let ffn = &self.header.ffn;
-        let streamed = self.section_bytes(&self.header.streamed);
+        let streamed = self.streamed.as_slice();
         for (l, (&off, crcs)) in ffn.layer_offsets.iter().zip(&ffn.chunk_crc32).enumerate() {
             for (k, &crc) in crcs.iter().enumerate() {
                 let at = off as usize + k * ffn.chunk_bytes;
@@ -332,10 +398,7 @@ impl LsmFile {
             .data
             .slice(h.resident.offset as usize, h.resident.len as usize)
             .ok_or_else(|| Error::invalid_file(path, "resident section out of range"))?;
-        let streamed = self
-            .data
-            .slice(h.streamed.offset as usize, h.streamed.len as usize)
-            .ok_or_else(|| Error::invalid_file(path, "streamed section out of range"))?;
+        let streamed = self.streamed.clone();
         let mut tensors = std::collections::BTreeMap::new();
         for t in &h.tensors {
             let data = resident

@@ -1,0 +1,166 @@
+//! What a loaded [`Model`] holds in memory, measured from its parts ([`Model::bytes`]), and an
+//! upper bound of it computed from a file's header alone ([`load_bytes_estimate`]), so that a
+//! caller can reserve memory before it loads.
+//!
+//! Each part reports its own bytes next to where it allocates them: the weights
+//! ([`Weights::bytes`](super::Weights::bytes): the owned file image, less any skipped streamed
+//! section, and the f32 tables derived from it), the tokenizer
+//! ([`Tokenizer::heap_bytes`]), and the model's own strings here.
+
+use std::path::Path;
+
+use super::{OwnedBytes, SourceKind, lsm};
+use crate::forward::Model;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// A loaded model's bytes, by part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelBytes {
+    /// Weight bytes: the file image read into owned memory (not heap) and the derived tables
+    /// (heap).
+    pub weights: OwnedBytes,
+    /// The tokenizer's heap (an estimate: see [`Tokenizer::heap_bytes`]).
+    pub tokenizer: u64,
+    /// The path, the chat template and the model's own struct.
+    pub other: u64,
+}
+
+impl ModelBytes {
+    /// Bytes on the heap: everything but the file image.
+    pub fn heap(&self) -> u64 {
+        self.weights.heap + self.tokenizer + self.other
+    }
+
+    /// Every byte.
+    pub fn total(&self) -> u64 {
+        self.weights.image + self.heap()
+    }
+}
+
+impl Model {
+    /// Bytes this model holds in memory the process owns (see [`Model::footprint`]).
+    pub fn bytes(&self) -> u64 {
+        self.footprint().total()
+    }
+
+    /// [`Model::bytes`] by part. Weights that are a memory map of the file (`mmap` mode, and the
+    /// streamed section's views of a streaming model) count nothing: their pages are the page
+    /// cache's.
+    pub fn footprint(&self) -> ModelBytes {
+        ModelBytes {
+            weights: self.weights.bytes(),
+            tokenizer: self.tokenizer.heap_bytes(),
+            other: (std::mem::size_of::<Model>()
+                + self.path.capacity()
+                + self.chat_template.as_ref().map_or(0, String::capacity))
+                as u64,
+        }
+    }
+}
+
+/// An upper bound of [`Model::bytes`] after loading `path` (GGUF, `.lsm` or a safetensors
+/// directory), computed from its header and metadata without loading its weights. With
+/// `skip_streamed`, a `.lsm` file's streamed FFN section is left out, as
+/// [`Residency::OwnedExceptStreamed`](super::Residency::OwnedExceptStreamed) leaves it. Header
+/// reads go through a map of the file (nothing past the metadata is touched).
+pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
+    let file_len = |p: &Path| {
+        std::fs::metadata(p)
+            .map(|m| m.len())
+            .map_err(|e| Error::io(p, e))
+    };
+    match SourceKind::detect(path)? {
+        SourceKind::Lsm => {
+            let f = lsm::LsmFile::parse(path, super::map_file(path)?)?;
+            let h = &f.header;
+            let streamed = if skip_streamed { h.streamed.len } else { 0 };
+            let vocab = tokenizer_json_counts(&h.tokenizer_json);
+            let template = h.chat_template.as_ref().map_or(0, String::len);
+            Ok(file_len(path)? - streamed
+                + tables_bound(&h.config)
+                + tokenizer_bound(vocab.0, vocab.1, vocab.2)
+                + other_bound(path, template))
+        }
+        SourceKind::Gguf => {
+            let m = super::gguf::GgufModel::from_file(&super::gguf::GgufFile::parse(
+                path,
+                super::map_file(path)?,
+            )?)?;
+            let v = &m.vocab;
+            let text = v.tokens.iter().map(String::len).sum();
+            let template = m.chat_template.as_ref().map_or(0, String::len);
+            Ok(file_len(path)?
+                + tables_bound(&m.config)
+                + tokenizer_bound(v.tokens.len(), text, v.merges.len())
+                + other_bound(path, template))
+        }
+        SourceKind::SafetensorsDir => {
+            let mut total = 0;
+            let entries = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?;
+            for e in entries {
+                let e = e.map_err(|e| Error::io(path, e))?;
+                total += file_len(&e.path())?;
+            }
+            let json = std::fs::read_to_string(path.join("tokenizer.json"))
+                .map_err(|e| Error::io(path.join("tokenizer.json"), e))?;
+            let vocab = tokenizer_json_counts(&json);
+            let config = super::safetensors::read_config(path)?;
+            // Every file of the directory (weights, tokenizer, config) bounds the image.
+            Ok(total
+                + tables_bound(&config)
+                + tokenizer_bound(vocab.0, vocab.1, vocab.2)
+                + other_bound(path, 0))
+        }
+    }
+}
+
+/// [`Tokenizer::heap_bytes`] as a tokenizer of these counts will report it: it counts a BPE
+/// vocabulary's merges as its tokens, and its special ids.
+fn tokenizer_bound(tokens: usize, text: usize, merges: usize) -> u64 {
+    let merges = if merges > 0 { merges.max(tokens) } else { 0 };
+    Tokenizer::heap_bytes_bound(tokens, text, merges) + 4 * tokens as u64
+}
+
+/// Tokens, bytes of token text and merges of a `tokenizer.json`; zeros where it does not parse
+/// (the load would then fail anyway).
+fn tokenizer_json_counts(json: &str) -> (usize, usize, usize) {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
+        return (0, 0, 0);
+    };
+    let model = &v["model"];
+    let (mut tokens, mut text) = (0, 0);
+    if let Some(vocab) = model["vocab"].as_object() {
+        tokens += vocab.len();
+        text += vocab.keys().map(String::len).sum::<usize>();
+    } else if let Some(vocab) = model["vocab"].as_array() {
+        tokens += vocab.len(); // unigram: [token, score] pairs
+        text += vocab
+            .iter()
+            .filter_map(|e| e[0].as_str())
+            .map(str::len)
+            .sum::<usize>();
+    }
+    if let Some(added) = v["added_tokens"].as_array() {
+        tokens += added.len();
+        text += added
+            .iter()
+            .filter_map(|t| t["content"].as_str())
+            .map(str::len)
+            .sum::<usize>();
+    }
+    let merges = model["merges"].as_array().map_or(0, Vec::len);
+    (tokens, text, merges)
+}
+
+/// The f32 tables [`super::Weights`] derives (norms, biases), per the config's shapes, and the
+/// layer table itself.
+fn tables_bound(c: &super::ModelConfig) -> u64 {
+    let (d, q, kv) = (c.d_model, c.q_dim(), c.kv_dim());
+    let per_layer = 4 * (2 * d + q + 2 * kv) + std::mem::size_of::<super::LayerWeights>();
+    (c.n_layers * per_layer + 4 * d + std::mem::size_of::<super::Weights>()) as u64
+}
+
+fn other_bound(path: &Path, template: usize) -> u64 {
+    (std::mem::size_of::<Model>() + path.as_os_str().len() + template) as u64
+}
