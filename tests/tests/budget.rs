@@ -53,7 +53,7 @@ async fn open_and_vanish(bus: &Bus, i: usize) -> anyhow::Result<()> {
     conn.send(&msg).await?;
     // Every third one waits a moment, so the daemon sees the request before the disconnect
     // sometimes, and after it other times.
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         tokio::task::yield_now().await;
     }
     drop(conn);
