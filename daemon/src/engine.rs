@@ -753,35 +753,9 @@ mod tests {
                 .tx
                 .send(EngineCmd::Open { id, model, session })
                 .unwrap();
-            let (read, out) = std::io::pipe().unwrap();
-            let (reply, accepted) = tokio::sync::oneshot::channel();
-            let spec = GenSpec {
-                max_tokens: TOKENS,
-                sampler: SamplerConfig::default(),
-                stop: Vec::new(),
-            };
-            let input = Input::Text(prompt.to_string());
-            let cmd = EngineCmd::Generate {
-                id,
-                input,
-                spec,
-                out,
-                reply,
-            };
-            engine.tx.send(cmd).unwrap();
-            accepted.blocking_recv().unwrap().unwrap();
-            readers.push(read);
+            readers.push(start(&engine, id, prompt));
         }
-        let streams = readers
-            .into_iter()
-            .map(|mut r| {
-                let mut text = String::new();
-                r.read_to_string(&mut text).unwrap();
-                text.lines()
-                    .map(|l| serde_json::from_str(l).unwrap())
-                    .collect()
-            })
-            .collect();
+        let streams = readers.into_iter().map(read_events).collect();
         engine.tx.send(EngineCmd::Shutdown).unwrap();
         engine.thread.join().unwrap();
         streams
@@ -797,9 +771,9 @@ mod tests {
             .collect()
     }
 
-    /// Starts a generation of `prompt` on session `id` and returns its stream's events.
-    fn run_one(engine: &Engine, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
-        let (mut read, out) = std::io::pipe().unwrap();
+    /// Starts a generation of `prompt` on session `id`; returns the read end of its stream.
+    fn start(engine: &Engine, id: SessionId, prompt: &str) -> std::io::PipeReader {
+        let (read, out) = std::io::pipe().unwrap();
         let (reply, accepted) = tokio::sync::oneshot::channel();
         let spec = GenSpec {
             max_tokens: TOKENS,
@@ -816,11 +790,21 @@ mod tests {
         };
         engine.tx.send(cmd).unwrap();
         accepted.blocking_recv().unwrap().unwrap();
+        read
+    }
+
+    /// Reads a stream to its end.
+    fn read_events(mut read: std::io::PipeReader) -> Vec<StreamEvent> {
         let mut text = String::new();
         read.read_to_string(&mut text).unwrap();
         text.lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
+    }
+
+    /// Runs a generation of `prompt` on session `id` and returns its stream's events.
+    fn run_one(engine: &Engine, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
+        read_events(start(engine, id, prompt))
     }
 
     #[test]

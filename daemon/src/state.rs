@@ -462,20 +462,17 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// Sessions of `client`, open or waiting for their model.
-    fn sessions_of(&self, client: &str) -> usize {
-        let open = self
-            .sessions
-            .values()
-            .filter(|s| s.client == client)
-            .count();
+    /// Sessions open or waiting for their model: every client's, or `client`'s only.
+    fn sessions_of(&self, client: Option<&str>) -> usize {
+        let mine = |c: &str| client.is_none_or(|want| want == c);
+        let open = self.sessions.values().filter(|s| mine(&s.client)).count();
         let waiting: usize = self
             .models
             .values()
             .map(|m| match &m.slot {
                 Slot::Loading(w) => w
                     .iter()
-                    .filter(|w| matches!(w, Waiter::Open { client: c, .. } if c == client))
+                    .filter(|w| matches!(w, Waiter::Open { client: c, .. } if mine(c)))
                     .count(),
                 Slot::Ready(_) => 0,
             })
@@ -486,25 +483,14 @@ impl<M: Memory> State<M> {
     /// Room for one more session: the daemon's limit and the client's.
     async fn admit_session(&mut self, client: &str) -> Result<(), LeanStreamError> {
         self.admit_client(client).await?;
-        let pending: usize = self
-            .models
-            .values()
-            .map(|m| match &m.slot {
-                Slot::Loading(w) => w
-                    .iter()
-                    .filter(|w| matches!(w, Waiter::Open { .. }))
-                    .count(),
-                Slot::Ready(_) => 0,
-            })
-            .sum();
-        if self.sessions.len() + pending >= self.params.max_sessions {
+        if self.sessions_of(None) >= self.params.max_sessions {
             return Err(LeanStreamError::Busy(format!(
                 "the daemon already has its maximum of {} sessions",
                 self.params.max_sessions
             )));
         }
         let limit = self.params.max_sessions_per_client;
-        if self.sessions_of(client) >= limit {
+        if self.sessions_of(Some(client)) >= limit {
             return Err(LeanStreamError::Busy(format!(
                 "this client already has its maximum of {limit} sessions \
                  (`limits.max_sessions_per_client`)"

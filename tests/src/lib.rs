@@ -29,6 +29,16 @@ pub const STORY_GREEDY: [u32; 16] = [
 /// The model's name in the daemon (the file stem).
 pub const MODEL: &str = "smollm2";
 
+/// The async runtime every end-to-end test drives its clients on.
+pub fn runtime() -> tokio::runtime::Runtime {
+    #[allow(clippy::expect_used)]
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
 /// The real test model; fails loudly when missing (CI runs `scripts/fetch-model` first).
 pub fn real_model() -> PathBuf {
     leanstream_engine::testing::real_model()
@@ -268,15 +278,7 @@ impl Daemon {
 
     /// The daemon's resident set size (`VmRSS` of `/proc/<pid>/status`), in bytes.
     pub fn rss_bytes(&self) -> Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
-        let kib = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().strip_suffix("kB"))
-            .context("no VmRSS line")?
-            .trim()
-            .parse::<u64>()?;
-        Ok(kib * 1024)
+        rss_bytes_of(self.pid())
     }
 
     /// Waits for the process to exit (at most `timeout`).
@@ -301,6 +303,19 @@ impl Drop for Daemon {
         }
         let _ = self.child.wait();
     }
+}
+
+/// The resident set size of process `pid` (`VmRSS` of `/proc/<pid>/status`), in bytes.
+pub fn rss_bytes_of(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .context("no VmRSS line")?
+        .trim()
+        .parse::<u64>()?;
+    Ok(kib * 1024)
 }
 
 /// A client: its own connection, the manager proxy.

@@ -12,15 +12,6 @@ use leanstream::contract::{
 };
 use leanstream_e2e::*;
 
-fn runtime() -> tokio::runtime::Runtime {
-    #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// Links the real model into the daemon's model directory under `name` (dense, GGUF).
 fn add_model(daemon: &Daemon, name: &str) -> anyhow::Result<()> {
     let target = daemon
@@ -203,14 +194,7 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
             tokio::spawn(async move {
                 let (mut peak_rss, mut peak_used, mut samples) = (0u64, 0u64, 0u32);
                 while !stop.load(Ordering::Relaxed) {
-                    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-                    let rss = status
-                        .lines()
-                        .find_map(|l| l.strip_prefix("VmRSS:"))
-                        .and_then(|v| v.trim().strip_suffix("kB"))
-                        .and_then(|v| v.trim().parse::<u64>().ok())
-                        .unwrap_or(0)
-                        << 10;
+                    let rss = rss_bytes_of(pid)?;
                     let report = observer.manager.memory().await?;
                     anyhow::ensure!(
                         report.used_bytes <= report.budget_bytes,

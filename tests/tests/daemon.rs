@@ -6,15 +6,6 @@ use std::time::{Duration, Instant};
 use leanstream::contract::{GenerateParams, StreamEvent};
 use leanstream_e2e::*;
 
-fn runtime() -> tokio::runtime::Runtime {
-    #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 fn done_reason(s: &Stream) -> &str {
     match &s.end {
         Some(StreamEvent::Done { reason, .. }) => reason,

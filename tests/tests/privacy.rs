@@ -11,15 +11,6 @@ use leanstream::contract::SESSION_INTERFACE;
 use leanstream_e2e::*;
 use zbus::message::Type as MsgType;
 
-fn runtime() -> tokio::runtime::Runtime {
-    #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// The 16 greedy tokens of [`STORY_PROMPT`], as text.
 const EXPECTED_TEXT: &str = " girl named Emma who loved to play in the sun. She would often go to";
 

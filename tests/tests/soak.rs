@@ -23,15 +23,6 @@ use leanstream_e2e::*;
 
 const RSS_GROWTH_BOUND: u64 = 8 << 20;
 
-fn runtime() -> tokio::runtime::Runtime {
-    #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 fn soak_secs() -> u64 {
     std::env::var("LEANSTREAM_SOAK_SECS")
         .ok()

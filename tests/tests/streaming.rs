@@ -5,15 +5,6 @@ use leanstream_e2e::*;
 use leanstream_engine::model::lsm::LsmFile;
 use leanstream_engine::pipeline::ChunkLayout;
 
-fn runtime() -> tokio::runtime::Runtime {
-    #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// `leanstream` mode with sparsity off and a quarter of the FFN as neuron cache, in a budget
 /// smaller than the model file.
 fn streaming(budget: &str, cache_share: f64) -> DaemonConfig {
