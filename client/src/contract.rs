@@ -26,7 +26,7 @@ pub const ERROR_PREFIX: &str = "io.github.leanstream.LeanStream1.Error";
 /// libraries, the async runtime and thread stacks, the bus connection and one incoming message
 /// of up to 1 MiB (the `max_message_size` of the buses the project's scripts start; a bus that
 /// passes larger messages adds their size to F). Measured on an idle daemon, see the README.
-pub const PROCESS_OVERHEAD_BYTES: u64 = 24 << 20;
+pub const PROCESS_OVERHEAD_BYTES: u64 = 48 << 20;
 
 /// Errors the daemon returns, named `io.github.leanstream.LeanStream1.Error.<Variant>`, each with
 /// a human-readable message.

@@ -91,8 +91,11 @@ pub enum Request {
         bytes: u64,
         reply: oneshot::Sender<Result<(), LeanStreamError>>,
     },
-    /// Internal: a released model's memory has been handed back; caches may grow into it.
-    Released,
+    /// Internal: a released model's memory has been handed back: its placeholder reservation
+    /// (`held`, see [`State::release`]) ends and caches may grow into it.
+    Released {
+        held: String,
+    },
     /// Internal: a model load finished.
     Loaded {
         name: String,
@@ -194,6 +197,8 @@ pub struct State<M> {
     /// The bus driver, to ask whether a client is still connected.
     bus: Option<zbus::fdo::DBusProxy<'static>>,
     next_id: SessionId,
+    /// Numbers the placeholder reservations of models being dropped.
+    next_release: u64,
 }
 
 impl<M> std::fmt::Debug for State<M> {
@@ -231,6 +236,7 @@ impl<M: Memory> State<M> {
             clients: BTreeMap::new(),
             bus: None,
             next_id: 1,
+            next_release: 1,
         }
     }
 
@@ -408,7 +414,10 @@ impl<M: Memory> State<M> {
                 };
                 let _ = reply.send(r);
             }
-            Request::Released => self.apply_cache_grants(),
+            Request::Released { held } => {
+                self.memory.unload_model(&held);
+                self.apply_cache_grants();
+            }
             Request::Loaded { name, result } => self.loaded(&name, result).await,
             Request::Shutdown { .. } => unreachable!("handled in run"),
         }
@@ -790,23 +799,41 @@ impl<M: Memory> State<M> {
         Ok(())
     }
 
-    /// Forgets a loaded model and its memory. The model itself is dropped on a blocking thread:
-    /// in a streaming mode the last reference joins its I/O threads, which may be finishing a
-    /// read. (The scheduler may still hold a reference for a moment; it then drops it there.)
+    /// Forgets a loaded model. The model itself is dropped on a blocking thread (in a streaming
+    /// mode the last reference joins its I/O threads, which may be finishing a read), and until
+    /// it is, a placeholder reservation named `(unloading NAME #N)` holds what it held: the
+    /// ledger frees the memory when the process has, so the same model loading again at once,
+    /// or a cache growing, never counts on memory that is still in use.
     fn release(&mut self, name: &str) {
         for c in self.clients.values_mut() {
             c.pins.remove(name);
         }
         if let Some(entry) = self.models.remove(name) {
+            let held_bytes = self
+                .memory
+                .report()
+                .models
+                .iter()
+                .find(|m| m.name == name)
+                .map_or(0, |m| m.resident + m.cache);
             self.memory.unload_model(name);
-            if let Slot::Ready(model) = entry.slot {
-                let requests = self.requests.clone();
-                tokio::task::spawn_blocking(move || {
-                    drop_last(model);
-                    // Only now is the memory free for the other caches to grow into.
-                    let _ = requests.blocking_send(Request::Released);
-                });
+            let held = format!("(unloading {name} #{})", self.next_release);
+            self.next_release += 1;
+            if let Err(e) = self.memory.load_model(&held, held_bytes, 0, 0) {
+                // Cannot happen: the bytes were just freed and caches are not hard reservations.
+                tracing::error!("placeholder for model {name} while it unloads: {e}");
             }
+            let requests = self.requests.clone();
+            let model = match entry.slot {
+                Slot::Ready(model) => Some(model),
+                Slot::Loading(_) => None,
+            };
+            tokio::task::spawn_blocking(move || {
+                if let Some(model) = model {
+                    drop_last(model);
+                }
+                let _ = requests.blocking_send(Request::Released { held });
+            });
         }
     }
 
@@ -955,7 +982,11 @@ impl<M: Memory> State<M> {
                     cache_floor_bytes: m.cache_floor,
                     cache_wanted_bytes: m.cache_wanted,
                     // Params never change, so this is the mode the model was loaded in.
-                    mode: self.params.model(&m.name).mode.name().to_string(),
+                    mode: if m.name.starts_with("(unloading ") {
+                        "unloading".to_string()
+                    } else {
+                        self.params.model(&m.name).mode.name().to_string()
+                    },
                 })
                 .collect(),
             sessions: f
@@ -991,7 +1022,11 @@ fn load_reserved(
         })
         .map_err(|_| gone())?;
     rx.blocking_recv().map_err(|_| gone())??;
-    LoadedModel::load(file, params, footprint.cache_floor_bytes)
+    let model = LoadedModel::load(file, params, footprint.cache_floor_bytes);
+    // Parsing a model file frees a lot of small allocations (its metadata, the tokenizer's
+    // source): hand them back rather than keep them beside the model.
+    crate::alloc::trim();
+    model
 }
 
 /// Drops `model` once it is the last reference (the scheduler drops its own when it handles the

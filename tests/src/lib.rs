@@ -318,6 +318,23 @@ pub fn rss_bytes_of(pid: u32) -> Result<u64> {
     Ok(kib * 1024)
 }
 
+/// The memory report once every unloaded model's memory has been handed back: the daemon
+/// keeps an `(unloading NAME #N)` placeholder in the ledger until the model is really dropped,
+/// a few milliseconds after the unload. Waits at most 10 s.
+pub async fn settled_memory(client: &Client) -> Result<leanstream::contract::MemoryReport> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let report = client.manager.memory().await?;
+        if !report.models.iter().any(|m| m.mode == "unloading") {
+            return Ok(report);
+        }
+        if Instant::now() > deadline {
+            bail!("a model is still unloading after 10 s: {:?}", report.models);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// A client: its own connection, the manager proxy.
 pub struct Client {
     pub conn: zbus::Connection,

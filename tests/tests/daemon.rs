@@ -31,7 +31,7 @@ fn greedy_generation_matches_the_engine_fixture() -> anyhow::Result<()> {
         let model = leanstream_engine::forward::Model::load(&real_model())?;
         assert_eq!(out.text, model.tokenizer.decode(&out.ids)?);
         // Memory returns when the session closes (the model is unloaded with its last session).
-        let report = client.manager.memory().await?;
+        let report = settled_memory(&client).await?;
         assert_eq!((report.used_bytes, report.sessions.len()), (0, 0));
         Ok(())
     })
@@ -247,27 +247,61 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<
 }
 
 #[test]
-fn a_budget_too_small_for_a_session_is_over_budget() -> anyhow::Result<()> {
+fn a_conversation_that_outgrows_the_budget_ends_over_budget_and_the_session_stays_usable()
+-> anyhow::Result<()> {
     runtime().block_on(async {
+        // What the model, a new session and one KV block hold, as the daemon reports them.
+        let (resident, open, block) = {
+            let bus = Bus::start()?;
+            let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+            let c = Client::new(&bus).await?;
+            let s = c.open(256).await?;
+            let r = c.manager.memory().await?;
+            let (resident, open) = (r.models[0].resident_bytes, r.sessions[0].bytes);
+            read_stream(s.generate(STORY_PROMPT, &greedy(2)).await?).await?;
+            let grown = c.manager.memory().await?.sessions[0].bytes;
+            (resident, open, grown - open)
+        };
+        assert!(block > 0, "a session's first tokens grow one KV block");
+        // Room for the model, the session and one and a half blocks.
+        let budget = resident + open + block + block / 2;
         let bus = Bus::start()?;
-        // The model file is 93.8 MiB; a 256-token session needs ~11.5 MiB more, a 16-token one
-        // about 1 MiB.
         let cfg = DaemonConfig {
-            budget: "96MiB".into(),
+            budget: budget.to_string(),
             ..DaemonConfig::default()
         };
         let _daemon = Daemon::start(&bus, &cfg).await?;
         let c = Client::new(&bus).await?;
+        // The context is a limit, not a reservation: a 256-token session opens.
+        let s = c.open(256).await?;
+        // Its second block does not fit: the generation ends there, naming the budget.
+        let out = read_stream(s.generate(STORY_PROMPT, &greedy(100)).await?).await?;
+        assert!(
+            matches!(&out.end, Some(StreamEvent::Error { name, .. }) if name == "OverBudget"),
+            "{:?}",
+            out.end
+        );
         assert_eq!(
-            error_name(c.manager.open_session(MODEL, 256).await),
-            "OverBudget"
+            out.ids[..16],
+            STORY_GREEDY,
+            "the tokens before the end are right"
         );
         let r = c.manager.memory().await?;
-        assert_eq!((r.used_bytes, r.sessions.len()), (0, 0), "nothing changed");
-        // A small context fits.
-        let s = c.open(16).await?;
+        assert!(r.used_bytes <= r.budget_bytes, "{r:?}");
+        // The session is still usable for what fits.
         let out = read_stream(s.generate(STORY_PROMPT, &greedy(2)).await?).await?;
         assert_eq!(out.ids, STORY_GREEDY[..2]);
+        // A second session does not fit, and asking changes nothing.
+        let before = c.manager.memory().await?;
+        assert_eq!(
+            error_name(c.manager.open_session(MODEL, 16).await),
+            "OverBudget"
+        );
+        let after = c.manager.memory().await?;
+        assert_eq!(
+            (after.used_bytes, after.sessions.len()),
+            (before.used_bytes, before.sessions.len())
+        );
         Ok(())
     })
 }
