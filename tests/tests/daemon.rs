@@ -268,6 +268,7 @@ fn a_conversation_that_outgrows_the_budget_ends_over_budget_and_the_session_stay
         let bus = Bus::start()?;
         let cfg = DaemonConfig {
             budget: budget.to_string(),
+            max_tokens: 128,
             ..DaemonConfig::default()
         };
         let _daemon = Daemon::start(&bus, &cfg).await?;
