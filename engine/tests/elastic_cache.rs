@@ -202,7 +202,9 @@ fn the_floor_read_from_the_header_is_the_floor_the_pipeline_enforces() {
             "{mode}: capped at every chunk"
         );
     }
-    let mut mmap = Executor::new(&sm, options(Mode::Mmap, 0)).expect("mmap");
+    // The mmap mode computes from a map of the file, so it needs the model opened mapped.
+    let mapped = SparseModel::open_for_mode(&path, Mode::Mmap, false).expect("open mapped");
+    let mut mmap = Executor::new(&mapped, options(Mode::Mmap, 0)).expect("mmap");
     assert_eq!(mmap.cache_floor_bytes(), 0);
     assert_eq!(
         mmap.resize_cache(1 << 20).expect("no-op"),

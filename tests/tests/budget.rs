@@ -270,6 +270,8 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
 
         // A request that does not fit leaves the ledger as it was.
         let quiet = Client::new(&bus).await?;
+        // Unloaded models' memory is handed back a moment after the unload.
+        settled_memory(&quiet).await?;
         quiet.manager.load_model(MODEL).await?;
         let before = ledger(settled_memory(&quiet).await?);
         assert_eq!(

@@ -146,8 +146,10 @@ pub struct StreamingFfn {
     /// Declared before the cache: a GPU compute holds the cache's arena registered with the
     /// driver and must unregister it before the arena is freed.
     compute: Box<dyn ChunkCompute>,
-    cache: NeuronCache,
+    /// Declared before the cache too (fields drop in order): dropping the I/O engine joins its
+    /// workers, which may still be reading into (and checking) slots of the cache's arena.
     io: Box<dyn IoEngine>,
+    cache: NeuronCache,
     /// The GPU `compute` runs on, if `use_cuda` set it: a resize re-registers the arena with it.
     #[cfg(feature = "cuda")]
     gpu: Option<Arc<crate::backend::cuda::CudaBackend>>,
