@@ -355,7 +355,10 @@ mod tests {
         // is the engine's bound of what the loaded model holds, and holds it.
         assert!(header.streamed.len > 0);
         let dense_bound = load_bytes_estimate(&file.path, false).unwrap();
-        assert!(fp.resident_bytes <= dense_bound - header.streamed.len, "{fp:?}");
+        assert!(
+            fp.resident_bytes <= dense_bound - header.streamed.len,
+            "{fp:?}"
+        );
         assert!(fp.resident_bytes >= model.model.bytes(), "{fp:?}");
         assert_eq!(fp.cache_floor_bytes, layout.floor_bytes() as u64);
         // 0.75 of 16 chunks, in whole chunks; the engine allocates exactly that.
