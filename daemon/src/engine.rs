@@ -705,18 +705,16 @@ mod tests {
     const PROMPT: &str = "the cat sat on the";
     const TOKENS: usize = 12;
 
-    /// A budget that grants every reservation up to `limit` bytes per session.
-    struct Limit(u64);
-
-    impl SessionBudget for Limit {
-        fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
-            SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(self.0))).resize(id, bytes)
-        }
-    }
-
-    /// A limit the test can change while the scheduler runs.
+    /// A budget that grants every reservation up to a per-session limit the test can change
+    /// while the scheduler runs.
     #[derive(Clone)]
     struct SharedLimit(Arc<std::sync::atomic::AtomicU64>);
+
+    impl SharedLimit {
+        fn new(limit: u64) -> SharedLimit {
+            SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(limit)))
+        }
+    }
 
     impl SessionBudget for SharedLimit {
         fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
@@ -741,7 +739,7 @@ mod tests {
     /// each stream's events.
     fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
         let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
-        let engine = Engine::start(events, Box::new(Limit(u64::MAX))).unwrap();
+        let engine = Engine::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
         let mut readers = Vec::new();
         for (i, (model, prompt)) in runs.iter().enumerate() {
             let id = i as SessionId + 1;
@@ -818,7 +816,7 @@ mod tests {
         let open_bytes = session.bytes();
         let block = session.kv_growth_bytes(1);
         assert!(block > 0, "a new session holds no KV block");
-        let limit = SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(open_bytes)));
+        let limit = SharedLimit::new(open_bytes);
         let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
         let engine = Engine::start(events, Box::new(limit.clone())).unwrap();
         let id = 1;

@@ -152,9 +152,6 @@ impl LoadedModel {
         let mut exec = ffn
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if exec.cache_bytes() as u64 == bytes {
-            return Some(Ok(bytes));
-        }
         Some(exec.resize_cache(bytes as usize).map(|held| held as u64))
     }
 

@@ -37,3 +37,21 @@ pub fn tiny_lsm(seed: u64, gguf: &Path, out: &Path) -> crate::Result<()> {
     lsm::convert(&load_imported(gguf)?, out, &opts, &mut |_, _| {})?;
     Ok(())
 }
+
+/// Pipeline options for tests: the exact path, sparsity off (no predictor: every chunk of every
+/// layer is computed), two I/O threads, chunk verification on, a cache of `cache_bytes`.
+pub fn exact_options(
+    mode: crate::pipeline::Mode,
+    cache_bytes: usize,
+) -> crate::pipeline::ExecutorOptions {
+    crate::pipeline::ExecutorOptions {
+        mode,
+        policy: None,
+        cache_bytes,
+        io_threads: 2,
+        io_gap_bytes: crate::io::DEFAULT_MAX_GAP_BYTES,
+        precision: crate::backend::cpu::Precision::Exact,
+        predictor: None,
+        verify_chunks: true,
+    }
+}

@@ -25,16 +25,7 @@ fn tiny_model(dir: &Path) -> (PathBuf, Arc<SparseModel>) {
 }
 
 fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
-    ExecutorOptions {
-        mode,
-        policy: None,
-        cache_bytes,
-        io_threads: 2,
-        io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-        precision: Precision::Exact,
-        predictor: None, // sparsity off: every chunk of every layer is computed
-        verify_chunks: true,
-    }
+    leanstream_engine::testing::exact_options(mode, cache_bytes)
 }
 
 /// Greedy generation of `steps` tokens after a prompt, calling `between(pass, exec)` before

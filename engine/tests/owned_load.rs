@@ -100,14 +100,8 @@ fn mmap_mode_needs_a_mapped_model_and_says_how_to_open_one() {
 
 fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
     ExecutorOptions {
-        mode,
-        policy: None,
-        cache_bytes,
         io_threads: 1,
-        io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-        precision: Precision::Exact,
-        predictor: None,
-        verify_chunks: true,
+        ..leanstream_engine::testing::exact_options(mode, cache_bytes)
     }
 }
 

@@ -46,16 +46,7 @@ fn sparse_run(sm: &SparseModel, exec: &mut Executor, steps: usize) -> (Vec<u32>,
 }
 
 fn options(mode: Mode, cache_bytes: usize) -> ExecutorOptions {
-    ExecutorOptions {
-        mode,
-        policy: None,
-        cache_bytes,
-        io_threads: 2,
-        io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-        precision: Precision::Exact,
-        predictor: None,
-        verify_chunks: true,
-    }
+    leanstream_engine::testing::exact_options(mode, cache_bytes)
 }
 
 #[test]

@@ -13,7 +13,7 @@ use leanstream_engine::Error;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
 use leanstream_engine::kv::KvType;
-use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
+use leanstream_engine::pipeline::{Executor, Mode, SparseModel};
 
 const STREAMING: [Mode; 3] = [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream];
 const TOKENS: [u32; 4] = [1, 40, 41, 42];
@@ -32,16 +32,7 @@ fn tempdir() -> tempfile::TempDir {
 
 /// Every chunk computed (no predictor), the whole FFN fits in the cache.
 fn executor(sm: &Arc<SparseModel>, mode: Mode) -> Executor {
-    let opts = ExecutorOptions {
-        mode,
-        policy: None,
-        cache_bytes: sm.layout.streamed_bytes(),
-        io_threads: 2,
-        io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-        precision: Precision::Exact,
-        predictor: None,
-        verify_chunks: true,
-    };
+    let opts = leanstream_engine::testing::exact_options(mode, sm.layout.streamed_bytes());
     Executor::new(sm, opts).unwrap()
 }
 
