@@ -450,25 +450,20 @@ impl<M: Memory> State<M> {
     /// came first and the bus now answers that the name has no owner (and the request is
     /// refused). A known client needs no new check: its `ClientGone` is still to come.
     async fn admit_client(&mut self, client: &str) -> Result<&mut ClientEntry, LeanStreamError> {
-        if !self.clients.contains_key(client) {
-            if let Some(bus) = &self.bus {
-                let alive = match zbus::names::BusName::try_from(client) {
-                    Ok(name) => bus.name_has_owner(name).await.unwrap_or(false),
-                    Err(_) => false,
-                };
-                if !alive {
-                    return Err(LeanStreamError::AccessDenied(format!(
-                        "client {client} has left the bus"
-                    )));
-                }
+        if !self.clients.contains_key(client)
+            && let Some(bus) = &self.bus
+        {
+            let alive = match zbus::names::BusName::try_from(client) {
+                Ok(name) => bus.name_has_owner(name).await.unwrap_or(false),
+                Err(_) => false,
+            };
+            if !alive {
+                return Err(LeanStreamError::AccessDenied(format!(
+                    "client {client} has left the bus"
+                )));
             }
-            self.clients
-                .insert(client.to_string(), ClientEntry::default());
         }
-        match self.clients.get_mut(client) {
-            Some(entry) => Ok(entry),
-            None => unreachable!("inserted above"),
-        }
+        Ok(self.clients.entry(client.to_string()).or_default())
     }
 
     /// Sessions open or waiting for their model: every client's, or `client`'s only.
