@@ -38,6 +38,9 @@ enum Command {
     /// Generate text in-process (no daemon).
     #[cfg(feature = "offline")]
     Run(offline::run::RunArgs),
+    /// Show what a memory budget keeps resident and streams, and what it reads per token.
+    #[cfg(feature = "offline")]
+    Plan(offline::plan::PlanArgs),
     /// Teacher-forced perplexity of a text file.
     #[cfg(feature = "offline")]
     Perplexity(offline::perplexity::PerplexityArgs),
@@ -63,6 +66,8 @@ fn main() -> ExitCode {
         Command::Daemon(command) => daemon_cmds::run(&cli.bus, command),
         #[cfg(feature = "offline")]
         Command::Run(args) => offline_exit(offline::run::run(args)),
+        #[cfg(feature = "offline")]
+        Command::Plan(args) => offline_exit(offline::plan::run(args)),
         #[cfg(feature = "offline")]
         Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]

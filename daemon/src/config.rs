@@ -38,38 +38,7 @@ pub struct ByteSize(pub u64);
 impl ByteSize {
     /// Parses a size; see [`ByteSize`] for the accepted forms.
     pub fn parse(text: &str) -> Result<ByteSize, String> {
-        let t = text.trim();
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (number, unit) = t.split_at(split);
-        if number.is_empty() {
-            return Err(format!("`{text}` does not start with a number"));
-        }
-        let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "k" | "kib" => 1 << 10,
-            "m" | "mib" => 1 << 20,
-            "g" | "gib" => 1 << 30,
-            "t" | "tib" => 1 << 40,
-            "kb" => 1_000,
-            "mb" => 1_000_000,
-            "gb" => 1_000_000_000,
-            "tb" => 1_000_000_000_000,
-            other => return Err(format!("unknown unit `{other}` in `{text}`")),
-        };
-        let bytes = if let Ok(n) = number.parse::<u64>() {
-            n.checked_mul(multiplier)
-        } else {
-            let f: f64 = number
-                .parse()
-                .map_err(|_| format!("`{number}` is not a number"))?;
-            let b = f * multiplier as f64;
-            (b.is_finite() && b >= 0.0 && b < u64::MAX as f64).then_some(b as u64)
-        };
-        bytes
-            .map(ByteSize)
-            .ok_or_else(|| format!("`{text}` is too large"))
+        leanstream_engine::plan::parse_bytes(text).map(ByteSize)
     }
 }
 

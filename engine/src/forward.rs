@@ -11,6 +11,7 @@
 //! [`Session::kv_growth_bytes`] and [`Session::grow_kv`] let a scheduler reserve a block before
 //! it is allocated; a forward pass grows by itself when nobody did.
 
+mod planned;
 mod scratch;
 
 use std::path::{Path, PathBuf};
@@ -21,15 +22,21 @@ use crate::kv::{KvCache, KvType};
 use crate::model::{Down, FfnActivation, LayerWeights, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+pub use planned::Planned;
 use scratch::{Scratch, Shape};
 
 /// A loaded model: weights, tokenizer and chat template. Shared by sessions.
 #[derive(Debug)]
 pub struct Model {
     pub path: PathBuf,
+    /// Every weight, as views of the loaded file image. Under a memory plan the streamed ones
+    /// view pages that were never read: the forward pass reaches layers, head and embeddings
+    /// through `planned` ([`Model::load_within`]).
     pub weights: Weights,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<String>,
+    /// The plan and weight stream of a model loaded under a budget.
+    pub planned: Option<Planned>,
 }
 
 impl Model {
@@ -41,6 +48,7 @@ impl Model {
             weights,
             tokenizer,
             chat_template,
+            planned: None,
         }))
     }
 }
@@ -205,14 +213,15 @@ impl Session {
         self.grow_kv(tokens.len())?;
         let model = Arc::clone(&self.model);
         for batch in tokens.chunks(MAX_BATCH) {
-            self.embed(batch);
-            for (l, layer) in model.weights.layers.iter().enumerate() {
-                self.attention(l, layer, batch.len());
-                self.ffn(layer, batch.len());
+            self.embed(batch)?;
+            for l in 0..model.weights.layers.len() {
+                let layer = model.layer(l)?;
+                self.attention(l, &layer, batch.len());
+                self.ffn(&layer, batch.len());
             }
             self.pos += batch.len();
         }
-        Ok(self.head((tokens.len() - 1) % MAX_BATCH))
+        self.head((tokens.len() - 1) % MAX_BATCH)
     }
 
     /// Runs one token like [`Session::forward`], with each layer's FFN computed by `exec` instead
@@ -225,17 +234,18 @@ impl Session {
         let model = Arc::clone(&self.model);
         let d = model.weights.config.d_model;
         let eps = model.weights.config.rms_eps;
-        self.embed(&[token]);
-        for (l, layer) in model.weights.layers.iter().enumerate() {
+        self.embed(&[token])?;
+        for l in 0..model.weights.layers.len() {
+            let layer = model.layer(l)?;
             exec.begin_layer(l, &self.s.x[..d]);
-            self.attention(l, layer, 1);
+            self.attention(l, &layer, 1);
             let s = &mut self.s;
             cpu::rmsnorm(&mut s.xn[..d], &s.x[..d], &layer.ffn_norm, eps);
-            exec.ffn(l, layer, &s.xn[..d], &mut s.proj[..d])?;
+            exec.ffn(l, &layer, &s.xn[..d], &mut s.proj[..d])?;
             cpu::add_inplace(&mut s.x[..d], &s.proj[..d]);
         }
         self.pos += 1;
-        Ok(self.head(0))
+        self.head(0)
     }
 
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
@@ -250,25 +260,26 @@ impl Session {
 
     /// Writes the embeddings of `batch` (at most [`MAX_BATCH`] tokens, at positions from
     /// `self.pos`) into the residual stream and their RoPE angles into the table.
-    fn embed(&mut self, batch: &[u32]) {
-        let w = &self.model.weights;
+    fn embed(&mut self, batch: &[u32]) -> Result<()> {
+        let model = &self.model;
         let s = &mut self.s;
-        let d = w.config.d_model;
+        let d = model.weights.config.d_model;
         let half = s.inv_freq.len();
         for (t, &token) in batch.iter().enumerate() {
-            w.token_embd
-                .dequantize_row(token as usize, &mut s.x[t * d..(t + 1) * d]);
+            model.embed_row(token as usize, &mut s.x[t * d..(t + 1) * d])?;
             let pos = (self.pos + t) as f32;
             let table = &mut s.rope[t * half..(t + 1) * half];
             for (sc, f) in table.iter_mut().zip(&s.inv_freq) {
                 *sc = (pos * f).sin_cos();
             }
         }
+        Ok(())
     }
 
     /// The output head over token `last` of the batch just run: final norm, then logits.
-    fn head(&mut self, last: usize) -> &mut [f32] {
-        let w = &self.model.weights;
+    fn head(&mut self, last: usize) -> Result<&mut [f32]> {
+        let model = &self.model;
+        let w = &model.weights;
         let c = &w.config;
         let s = &mut self.s;
         let d = c.d_model;
@@ -281,8 +292,12 @@ impl Session {
         let x = self
             .kernels
             .prepare(&s.xn[..d], self.precision, &mut s.acts);
-        self.kernels.matvecs(x, [(&w.output, &mut s.logits[..])]);
-        &mut self.s.logits
+        let (k, logits) = (self.kernels, &mut s.logits);
+        model.for_each_head_piece(&mut |piece| {
+            k.matvecs(x, [(&piece.m, &mut logits[piece.rows.clone()])]);
+            Ok(())
+        })?;
+        Ok(&mut self.s.logits)
     }
 
     /// The attention block for the `n` tokens of a batch, at positions `self.pos..self.pos + n`.

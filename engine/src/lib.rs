@@ -25,10 +25,12 @@ pub mod io;
 pub mod kv;
 pub mod model;
 pub mod pipeline;
+pub mod plan;
 pub mod predict;
 pub mod quant;
 pub mod reference;
 pub mod sample;
+pub mod stream;
 pub mod testing;
 pub mod tokenizer;
 

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod convert;
 pub mod perplexity;
+pub mod plan;
 pub mod run;
 pub mod synth;
 
@@ -28,6 +29,15 @@ impl From<PrecisionArg> for Precision {
             PrecisionArg::Fast => Precision::Fast,
         }
     }
+}
+
+/// The context a run under `--memory-budget` plans for when `--context` is not given: its KV
+/// cache is part of the floor, so planning for the model's whole context would waste the budget.
+pub const PLANNED_CONTEXT: usize = 512;
+
+/// Parses a byte size for clap (`60MB`, `64MiB`, `1.5G`).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    leanstream_engine::plan::parse_bytes(s)
 }
 
 /// Sets the size of the compute thread pool (0 = one per core).

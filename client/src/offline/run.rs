@@ -61,6 +61,10 @@ pub struct RunArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Run inside this many bytes (e.g. `60MB`, `64MiB`): the memory planner keeps what fits and
+    /// streams the other weights from storage every token (`leanstream plan` shows the plan).
+    #[arg(long, value_parser = super::parse_size)]
+    pub memory_budget: Option<u64>,
 }
 
 /// Renders `prompt` as a single user turn with the model's template (ChatML when it has none).
@@ -83,16 +87,29 @@ pub fn chat_prompt(model: &Model, prompt: &str) -> anyhow::Result<String> {
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     super::init_threads(args.threads)?;
-    let model = Model::load(&args.model)?;
+    let model = match args.memory_budget {
+        Some(budget) => {
+            let context = args.context.unwrap_or(super::PLANNED_CONTEXT);
+            let m = Model::load_within(&args.model, budget, context, args.kv_type)?;
+            if let Some(plan) = m.plan().filter(|_| !args.json) {
+                eprint!("{}", plan.table());
+            }
+            m
+        }
+        None => Model::load(&args.model)?,
+    };
     let text = if args.chat {
         chat_prompt(&model, &args.prompt)?
     } else {
         args.prompt.clone()
     };
     let prompt_ids = model.tokenizer.encode(&text)?;
-    let context = args
-        .context
-        .unwrap_or(model.weights.config.context_length.min(4096));
+    let context = args.context.unwrap_or(if args.memory_budget.is_some() {
+        super::PLANNED_CONTEXT
+    } else {
+        4096
+    });
+    let context = context.min(model.weights.config.context_length);
     let backend = super::resolve_backend(args.backend)?;
     let mut session = open_decoder(
         backend,
@@ -159,7 +176,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "session_bytes": session.bytes(),
                 "backend": backend.name(),
                 "kernel": leanstream_engine::backend::cpu::kernel_name(),
-            }
+            },
+            "plan": model.plan().map(|p| json!({
+                "budget_bytes": p.budget,
+                "planned_bytes": p.planned_bytes(),
+                "floor_bytes": p.floor.total(),
+                "resident_weight_bytes": p.resident_bytes,
+                "streamed_bytes_per_token": p.streamed_bytes_per_token(),
+                "streamed_layers": p.units.iter().filter(|u| matches!(u.kind, leanstream_engine::plan::UnitKind::Layer(_))).count(),
+                "head": format!("{:?}", p.head).to_lowercase(),
+            })),
+            "stream": model.stream_stats().map(|s| json!({
+                "bytes_read": s.bytes_read,
+                "wait_s": s.wait_ns as f64 * 1e-9,
+                "wasted_units": s.wasted_units,
+            })),
         });
         writeln!(stdout, "{out}")?;
     } else {

@@ -36,6 +36,8 @@ enum Backing {
         resident: usize,
     },
     Owned(Vec<u8>),
+    /// A page-aligned buffer (a slot of the weight stream, refilled from storage between uses).
+    Aligned(crate::io::AlignedBuf),
 }
 
 /// A byte range of a loaded file image, a memory-mapped file or an owned buffer. Cloning shares
@@ -58,10 +60,33 @@ impl TensorBytes {
         Self::whole(Backing::Owned(v))
     }
 
+    /// Wraps a page-aligned buffer; [`TensorBytes::aligned_mut`] gives it back for refilling
+    /// while no other view of it exists.
+    pub fn from_aligned(b: crate::io::AlignedBuf) -> Self {
+        Self::whole(Backing::Aligned(b))
+    }
+
+    /// The aligned buffer behind this range, writable — only when the range is the whole
+    /// buffer and no clone or slice of it is alive (the weight stream refills a slot only after
+    /// every view computed from it was dropped).
+    pub fn aligned_mut(&mut self) -> Option<&mut crate::io::AlignedBuf> {
+        let whole = self.offset == 0;
+        match Arc::get_mut(&mut self.backing) {
+            Some(Backing::Aligned(b)) if whole && b.len() == self.len => Some(b),
+            _ => None,
+        }
+    }
+
+    /// Where this range starts in its backing: the file offset for a file image or map.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
     fn whole(backing: Backing) -> Self {
         let len = match &backing {
             Backing::Mmap(m) | Backing::Image { map: m, .. } => m.len(),
             Backing::Owned(v) => v.len(),
+            Backing::Aligned(b) => b.len(),
         };
         TensorBytes {
             backing: Arc::new(backing),
@@ -95,6 +120,7 @@ impl TensorBytes {
         let all: &[u8] = match &*self.backing {
             Backing::Mmap(m) | Backing::Image { map: m, .. } => m,
             Backing::Owned(v) => v,
+            Backing::Aligned(b) => b.as_slice(),
         };
         &all[self.offset..self.offset + self.len]
     }
@@ -122,6 +148,10 @@ impl TensorBytes {
             },
             Backing::Owned(v) => OwnedBytes {
                 heap: v.capacity() as u64,
+                image: 0,
+            },
+            Backing::Aligned(b) => OwnedBytes {
+                heap: b.capacity() as u64,
                 image: 0,
             },
         }
@@ -193,8 +223,17 @@ pub fn map_range(path: &Path, offset: u64, len: u64) -> Result<TensorBytes> {
 
 /// Reads a whole file into memory the process owns (see the module docs).
 pub fn read_file(path: &Path) -> Result<TensorBytes> {
+    read_ranges(path, &[0..u64::MAX])
+}
+
+/// Reads only `ranges` of a file into an image of its whole length, the rest left as untouched
+/// zero pages that are never resident: what a memory plan keeps of a model whose other weights
+/// stream from storage (see the module docs).
+pub fn read_ranges(path: &Path, ranges: &[Range<u64>]) -> Result<TensorBytes> {
     let mut image = FileImage::open(path)?;
-    image.fill(0..image.len())?;
+    for r in ranges {
+        image.fill(r.clone())?;
+    }
     image.finish()
 }
 

@@ -16,7 +16,7 @@ mod weights;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-pub use bytes::{OwnedBytes, TensorBytes, map_file, map_range, read_file};
+pub use bytes::{OwnedBytes, TensorBytes, map_file, map_range, read_file, read_ranges};
 pub use config::{Architecture, FfnActivation, ModelConfig, RopeStyle};
 pub use footprint::{ModelBytes, load_bytes_estimate};
 pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
@@ -108,6 +108,31 @@ pub fn load_imported(path: &Path) -> Result<ImportedModel> {
         SourceKind::Lsm => Err(Error::invalid_file(
             path,
             "this is already a .lsm file; convert takes a GGUF file or a safetensors directory",
+        )),
+    }
+}
+
+/// [`load`] over a memory map of the file instead of a copy (GGUF and `.lsm` only): for a
+/// caller that reads the layout and then copies just the ranges it keeps
+/// ([`crate::forward::Model::load_within`]). Every view's offset is its file offset.
+pub fn load_mapped(path: &Path) -> Result<(Weights, Tokenizer, Option<String>)> {
+    match SourceKind::detect(path)? {
+        SourceKind::Lsm => {
+            let f = lsm::LsmFile::open_with(path, Residency::Mapped)?;
+            let tokenizer = f.tokenizer()?;
+            let weights = f.weights(path, tokenizer.clone())?;
+            Ok((weights, tokenizer, f.header.chat_template.clone()))
+        }
+        SourceKind::Gguf => {
+            let f = gguf::GgufFile::parse(path, map_file(path)?)?;
+            let m = gguf::GgufModel::from_file(&f)?.into_imported()?;
+            let w = Weights::from_imported(&m)?;
+            Ok((w, m.tokenizer, m.chat_template))
+        }
+        SourceKind::SafetensorsDir => Err(Error::invalid_file(
+            path,
+            "a memory budget needs a single-file model: convert it with `leanstream convert` \
+             first",
         )),
     }
 }

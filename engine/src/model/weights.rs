@@ -91,6 +91,13 @@ impl QRows {
         &self.data.as_slice()[off..off + self.row_bytes()]
     }
 
+    /// Where row `i`'s bytes sit in the backing (file offsets for a file image or map).
+    pub fn row_range(&self, i: usize) -> std::ops::Range<usize> {
+        assert!(i < self.rows, "row {i} of {}", self.rows);
+        let at = self.data.offset() + self.offset(i);
+        at..at + self.row_bytes()
+    }
+
     /// Dequantises row `i` into `out` (`out.len() == cols`).
     pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
         crate::quant::dequantize_row(self.dtype, self.row(i), out);
@@ -104,6 +111,25 @@ impl QRows {
     /// The bytes the rows are views of (shared with other matrices of the same file).
     pub fn backing(&self) -> &TensorBytes {
         &self.data
+    }
+
+    /// Where the rows' bytes sit in their backing (file offsets for a file image or map).
+    pub fn byte_range(&self) -> std::ops::Range<usize> {
+        self.data.offset()..self.data.offset() + self.data.len()
+    }
+
+    /// The same matrix over other bytes of the same length: a copy of these bytes elsewhere
+    /// (a file image instead of a map, a slot of the weight stream).
+    pub fn rebased(&self, data: TensorBytes) -> QRows {
+        assert_eq!(
+            data.len(),
+            self.data.len(),
+            "a rebased matrix keeps its size"
+        );
+        QRows {
+            data,
+            ..self.clone()
+        }
     }
 }
 
@@ -124,6 +150,19 @@ pub struct FfnWeights {
     pub down: Down,
 }
 
+impl FfnWeights {
+    fn map(&self, f: &mut dyn FnMut(&QRows) -> QRows) -> FfnWeights {
+        FfnWeights {
+            gate: f(&self.gate),
+            up: f(&self.up),
+            down: match &self.down {
+                Down::Rows(m) => Down::Rows(f(m)),
+                Down::Neurons(m) => Down::Neurons(f(m)),
+            },
+        }
+    }
+}
+
 /// One transformer block.
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
@@ -137,6 +176,36 @@ pub struct LayerWeights {
     pub bv: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     pub ffn_norm: Vec<f32>,   // (d_model)
     pub ffn: FfnWeights,
+}
+
+impl LayerWeights {
+    /// Every matrix of the layer, in one order (attention, then the FFN).
+    pub fn matrices(&self) -> [&QRows; 7] {
+        let down = match &self.ffn.down {
+            Down::Rows(m) | Down::Neurons(m) => m,
+        };
+        [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.ffn.gate,
+            &self.ffn.up,
+            down,
+        ]
+    }
+
+    /// The layer with every matrix replaced by `f(matrix)` (vectors are copied).
+    pub fn map(&self, f: &mut dyn FnMut(&QRows) -> QRows) -> LayerWeights {
+        LayerWeights {
+            wq: f(&self.wq),
+            wk: f(&self.wk),
+            wv: f(&self.wv),
+            wo: f(&self.wo),
+            ffn: self.ffn.map(f),
+            ..self.clone()
+        }
+    }
 }
 
 /// All weights of a model, immutable and shared by every session.
@@ -219,6 +288,38 @@ impl TensorTable<'_> {
 }
 
 impl Weights {
+    /// The same weights over `image`, which holds the file's bytes at the same offsets as the
+    /// backing they view now (a file image replacing a map of the same file).
+    pub fn rebased_onto(&self, image: &TensorBytes) -> Result<Weights> {
+        let mut bad = None;
+        let mut f = |q: &QRows| {
+            let r = q.byte_range();
+            match image.slice(r.start, r.len()) {
+                Some(data) => q.rebased(data),
+                None => {
+                    bad = Some(r);
+                    q.clone()
+                }
+            }
+        };
+        let token_embd = f(&self.token_embd);
+        let output = f(&self.output);
+        let layers = self.layers.iter().map(|l| l.map(&mut f)).collect();
+        if let Some(r) = bad {
+            return Err(Error::InvalidArgument {
+                arg: "image",
+                reason: format!("bytes {r:?} are outside an image of {} bytes", image.len()),
+            });
+        }
+        Ok(Weights {
+            config: self.config.clone(),
+            token_embd,
+            output_norm: self.output_norm.clone(),
+            output,
+            layers,
+        })
+    }
+
     /// Memory these weights hold that the process owns: each distinct backing of the matrices
     /// once (the file image, less skipped ranges; nothing for a memory map) and the f32 tables
     /// derived at build time (norms, biases) with the layer table, on the heap.

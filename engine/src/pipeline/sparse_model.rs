@@ -92,6 +92,7 @@ impl SparseModel {
                 weights,
                 tokenizer,
                 chat_template: f.header.chat_template.clone(),
+                planned: None,
             }),
             layout,
             file: f.data.clone(),

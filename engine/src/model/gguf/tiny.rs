@@ -106,9 +106,14 @@ impl TinyLlama {
 
     /// A tiny model of the given flavour with weights drawn from `seed`.
     pub fn with_arch(seed: u64, arch: TinyArch) -> TinyLlama {
+        TinyLlama::with_layers(seed, arch, 2)
+    }
+
+    /// [`TinyLlama::with_arch`] with `n_layers` layers (the first two are the same as its).
+    pub fn with_layers(seed: u64, arch: TinyArch, n_layers: usize) -> TinyLlama {
         let config = ModelConfig {
             architecture: Architecture::Llama,
-            n_layers: 2,
+            n_layers,
             d_model: 64,
             n_ff: 128,
             n_heads: 4,
@@ -134,7 +139,7 @@ impl TinyLlama {
         };
         mat("token_embd.weight".into(), v, d, &mut rng);
         mat("output.weight".into(), v, d, &mut rng);
-        for l in 0..2 {
+        for l in 0..n_layers {
             mat(format!("blk.{l}.attn_q.weight"), q, d, &mut rng);
             mat(format!("blk.{l}.attn_k.weight"), kv, d, &mut rng);
             mat(format!("blk.{l}.attn_v.weight"), kv, d, &mut rng);
@@ -143,7 +148,7 @@ impl TinyLlama {
             mat(format!("blk.{l}.ffn_up.weight"), ff, d, &mut rng);
             mat(format!("blk.{l}.ffn_down.weight"), d, ff, &mut rng);
         }
-        for l in 0..2 {
+        for l in 0..n_layers {
             for norm in ["attn_norm", "ffn_norm"] {
                 tensors.insert(
                     format!("blk.{l}.{norm}.weight"),

@@ -1,0 +1,494 @@
+//! The memory planner: given the bytes the whole process may hold, decides which weights stay
+//! resident and which are read from storage for every token, and predicts what that costs.
+//!
+//! # The rule
+//! Every dense weight (attention, FFN of a dense pass, output head) is needed by every token, so
+//! a resident byte saves exactly one byte of reading per token wherever it sits: the planner
+//! keeps as many bytes resident as fit and streams the rest. What does not fit streams as
+//! *units* — one layer (its tensors, merged into few large ranges) or a piece of the output head
+//! — read with `O_DIRECT` by one I/O thread into a ring of [`SLOTS`] buffers, in compute order,
+//! ahead of the compute ([`crate::stream::WeightStream`]). Resident layers are spread evenly
+//! between streamed ones so that reads overlap compute all through the token. The output head
+//! is kept before any layer (it is needed last, so streaming it leaves nothing to overlap with at
+//! the end of a token); the embedding rows of a model whose embeddings are not resident are read
+//! one row per token.
+//!
+//! # The floor
+//! Besides weights the process holds its runtime (code, libc, thread stacks, allocator slack:
+//! [`RUNTIME_BYTES`], measured), the tokenizer, the f32 tables built at load (norms), one
+//! session's scratch and KV cache for the planned context, and the ring. The budget less that
+//! floor is what the weights may use; a budget under the floor plus the smallest ring is refused
+//! with the numbers.
+
+use std::fmt::Write as _;
+use std::ops::Range;
+
+use crate::forward::Model;
+use crate::io::{PAGE, align_down, align_up};
+use crate::kv::KvType;
+use crate::model::{LayerWeights, QRows, Weights};
+use crate::{Error, Result};
+
+/// Buffers of the streaming ring: one being computed, one read ahead, one being read.
+pub const SLOTS: usize = 3;
+
+/// Resident memory of the process besides anything the engine accounts: code and data pages
+/// of the binary and its libraries, thread stacks, allocator slack. Measured with `leanstream run`
+/// on SmolLM2 in a cgroup (docs/memory.md, "The floor").
+pub const RUNTIME_BYTES: u64 = 12 << 20;
+
+/// Ranges closer than this are read as one (the bytes between are read and ignored: one
+/// request of a few pages more costs less than a second request).
+const MERGE_GAP: u64 = 64 << 10;
+
+/// What a part of the model does in a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Read at load and kept.
+    Resident,
+    /// Read from storage every token it is needed.
+    Streamed,
+}
+
+/// One streamed read unit, in compute order within a token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UnitKind {
+    /// Every matrix of layer `l`.
+    Layer(usize),
+    /// Rows `rows` of the output head.
+    Head { rows: Range<usize> },
+}
+
+/// A unit and where its bytes are: file ranges (exact), each read page-aligned into the slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    pub kind: UnitKind,
+    /// The page-aligned file ranges read, in slot order: range `i` lands at slot offset
+    /// `sum(len of ranges before i)`.
+    pub reads: Vec<Range<u64>>,
+}
+
+impl Unit {
+    /// Bytes one read of the unit transfers.
+    pub fn bytes(&self) -> u64 {
+        self.reads.iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// Where file bytes `r` (inside one of the unit's reads) sit in the slot.
+    pub fn slot_offset(&self, r: &Range<usize>) -> Option<usize> {
+        let mut at = 0u64;
+        for read in &self.reads {
+            if read.start <= r.start as u64 && r.end as u64 <= read.end {
+                return Some((at + r.start as u64 - read.start) as usize);
+            }
+            at += read.end - read.start;
+        }
+        None
+    }
+}
+
+/// What the process holds besides weights, by part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Floor {
+    pub runtime: u64,
+    pub tokenizer: u64,
+    /// f32 tables built at load (norms, biases) and the layer table.
+    pub tables: u64,
+    /// One session's scratch and its KV cache grown to the planned context.
+    pub session: u64,
+    /// The streaming ring (0 when everything is resident).
+    pub ring: u64,
+}
+
+impl Floor {
+    pub fn total(&self) -> u64 {
+        self.runtime + self.tokenizer + self.tables + self.session + self.ring
+    }
+}
+
+/// Where every weight of a model goes under a budget, and what it costs per token.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The process budget the plan was made for.
+    pub budget: u64,
+    pub floor: Floor,
+    pub head: Placement,
+    /// Token embeddings (the head's bytes when tied: then always placed with it).
+    pub embeddings: Placement,
+    pub layers: Vec<Placement>,
+    /// Streamed units in compute order (layers, then head pieces).
+    pub units: Vec<Unit>,
+    /// Bytes of one ring slot (the largest unit); 0 when nothing streams.
+    pub slot_bytes: u64,
+    /// Weight bytes read at load and kept.
+    pub resident_bytes: u64,
+    /// File ranges to read at load (merged, sorted).
+    pub resident_ranges: Vec<Range<u64>>,
+    /// Weights one dense decode step reads, resident or not.
+    pub dense_bytes_per_token: u64,
+    /// Bytes of one embedding row.
+    pub row_bytes: u64,
+}
+
+/// Sorted ranges, merged where closer than `gap` bytes.
+fn merged(mut ranges: Vec<Range<u64>>, gap: u64) -> Vec<Range<u64>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end + gap => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+fn range_of(q: &QRows) -> Range<u64> {
+    let r = q.byte_range();
+    r.start as u64..r.end as u64
+}
+
+fn layer_ranges(l: &LayerWeights) -> Vec<Range<u64>> {
+    merged(
+        l.matrices().iter().map(|q| range_of(q)).collect(),
+        MERGE_GAP,
+    )
+}
+
+fn aligned(ranges: &[Range<u64>]) -> Vec<Range<u64>> {
+    ranges
+        .iter()
+        .map(|r| align_down(r.start, PAGE as u64)..align_up(r.end, PAGE as u64))
+        .collect()
+}
+
+fn total(ranges: &[Range<u64>]) -> u64 {
+    ranges.iter().map(|r| r.end - r.start).sum()
+}
+
+/// `k` of `n` indices spread evenly (each of the first `k` multiples of `n / k`).
+fn spread(n: usize, k: usize) -> Vec<bool> {
+    let mut keep = vec![false; n];
+    for i in 0..k {
+        keep[i * n / k] = true;
+    }
+    keep
+}
+
+impl Floor {
+    /// The floor of serving `model` with one session of `context` tokens in `kv`, without the
+    /// ring.
+    pub fn of(model: &Model, context: usize, kv: KvType) -> Floor {
+        let w = &model.weights;
+        let c = &w.config;
+        Floor {
+            runtime: RUNTIME_BYTES,
+            tokenizer: model.tokenizer.heap_bytes(),
+            tables: w.bytes().heap,
+            session: crate::forward::session_open_bytes(model, context, kv)
+                + kv.bytes_per_token(c.n_layers, c.kv_dim()) * context as u64,
+            ring: 0,
+        }
+    }
+}
+
+impl Plan {
+    /// The plan for `w` in a process budget of `budget` bytes whose non-weight part is `floor`
+    /// (its `ring` is filled in here). Errors, naming the bytes, if the budget cannot hold the
+    /// floor and the ring.
+    pub fn new(w: &Weights, budget: u64, floor: Floor) -> Result<Plan> {
+        let c = &w.config;
+        let head_range = range_of(&w.output);
+        let head_bytes = head_range.end - head_range.start;
+        let embd_bytes = if c.tied_embeddings {
+            0
+        } else {
+            let r = range_of(&w.token_embd);
+            r.end - r.start
+        };
+        let layer_reads: Vec<Vec<Range<u64>>> = w.layers.iter().map(layer_ranges).collect();
+        let layer_bytes: Vec<u64> = layer_reads.iter().map(|r| total(r)).collect();
+        let all = head_bytes + embd_bytes + layer_bytes.iter().sum::<u64>();
+        let dense_bytes_per_token = w.dense_bytes_per_token() as u64;
+
+        let mut plan = Plan {
+            budget,
+            floor,
+            head: Placement::Resident,
+            embeddings: Placement::Resident,
+            layers: vec![Placement::Resident; c.n_layers],
+            units: Vec::new(),
+            slot_bytes: 0,
+            resident_bytes: 0,
+            resident_ranges: Vec::new(),
+            dense_bytes_per_token,
+            row_bytes: w.token_embd.row_bytes() as u64,
+        };
+        let weights_room = budget.saturating_sub(floor.total());
+        if all > weights_room {
+            plan.stream_what_does_not_fit(w, weights_room, head_bytes, &layer_reads)?;
+        }
+        plan.resident_ranges = plan.resident_ranges_of(w, &layer_reads);
+        plan.resident_bytes = total(&plan.resident_ranges);
+        Ok(plan)
+    }
+
+    fn stream_what_does_not_fit(
+        &mut self,
+        w: &Weights,
+        room: u64,
+        head_bytes: u64,
+        layer_reads: &[Vec<Range<u64>>],
+    ) -> Result<()> {
+        let layer_units: Vec<u64> = layer_reads.iter().map(|r| total(&aligned(r))).collect();
+        let slot = layer_units
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(PAGE as u64);
+        self.slot_bytes = slot;
+        self.floor.ring = SLOTS as u64 * slot;
+        self.embeddings = Placement::Streamed;
+        let need = self.floor.total();
+        if self.budget < need {
+            return Err(Error::OverBudget {
+                needed: need,
+                budget: self.budget,
+                what: format!(
+                    "the smallest plan: runtime {} + tokenizer {} + tables {} + session {} + ring \
+                     of {SLOTS} × {} (largest layer)",
+                    mib(self.floor.runtime),
+                    mib(self.floor.tokenizer),
+                    mib(self.floor.tables),
+                    mib(self.floor.session),
+                    mib(slot)
+                ),
+            });
+        }
+        let mut room = room.saturating_sub(self.floor.ring);
+        if head_bytes <= room {
+            room -= head_bytes;
+            if w.config.tied_embeddings {
+                self.embeddings = Placement::Resident;
+            }
+        } else {
+            self.head = Placement::Streamed;
+        }
+        // As many layers as fit, spread evenly; the rest stream.
+        let mut k = 0;
+        let mut by_size: Vec<u64> = layer_reads.iter().map(|r| total(r)).collect();
+        by_size.sort_unstable();
+        for b in by_size {
+            if b > room {
+                break;
+            }
+            room -= b;
+            k += 1;
+        }
+        let keep = spread(self.layers.len(), k);
+        for (l, keep) in keep.into_iter().enumerate() {
+            if !keep {
+                self.layers[l] = Placement::Streamed;
+                self.units.push(Unit {
+                    kind: UnitKind::Layer(l),
+                    reads: aligned(&layer_reads[l]),
+                });
+            }
+        }
+        if self.head == Placement::Streamed {
+            let row_bytes = w.output.row_bytes() as u64;
+            let rows_per_piece = (slot / row_bytes).max(1) as usize;
+            let start = range_of(&w.output).start;
+            let mut r0 = 0;
+            while r0 < w.output.rows {
+                let r1 = (r0 + rows_per_piece).min(w.output.rows);
+                let bytes = start + r0 as u64 * row_bytes..start + r1 as u64 * row_bytes;
+                self.units.push(Unit {
+                    kind: UnitKind::Head { rows: r0..r1 },
+                    reads: aligned(&[bytes]),
+                });
+                r0 = r1;
+            }
+            // A piece's page-aligned read may be a page or two longer than its rows.
+            let widest = self.units.iter().map(Unit::bytes).max().unwrap_or(0);
+            self.slot_bytes = self.slot_bytes.max(widest);
+            self.floor.ring = SLOTS as u64 * self.slot_bytes;
+        }
+        Ok(())
+    }
+
+    fn resident_ranges_of(&self, w: &Weights, layer_reads: &[Vec<Range<u64>>]) -> Vec<Range<u64>> {
+        let mut out = Vec::new();
+        if self.head == Placement::Resident {
+            out.push(range_of(&w.output));
+        }
+        if self.embeddings == Placement::Resident {
+            out.push(range_of(&w.token_embd));
+        }
+        for (l, p) in self.layers.iter().enumerate() {
+            if *p == Placement::Resident {
+                out.extend(layer_reads[l].iter().cloned());
+            }
+        }
+        merged(out, 0)
+    }
+
+    /// Whether anything streams.
+    pub fn streams(&self) -> bool {
+        !self.units.is_empty()
+    }
+
+    /// Bytes of units read per decoded token: every unit once, page-aligned.
+    pub fn unit_bytes_per_token(&self) -> u64 {
+        self.units.iter().map(Unit::bytes).sum()
+    }
+
+    /// Bytes read from storage per decoded token: the units and, when the embeddings stream,
+    /// the pages of one row (at most two pages more than the row).
+    pub fn streamed_bytes_per_token(&self) -> u64 {
+        let rows = if self.embeddings == Placement::Streamed {
+            self.row_bytes.next_multiple_of(PAGE as u64) + PAGE as u64
+        } else {
+            0
+        };
+        self.unit_bytes_per_token() + rows
+    }
+
+    /// What the process is planned to hold: floor plus resident weights.
+    pub fn planned_bytes(&self) -> u64 {
+        self.floor.total() + self.resident_bytes
+    }
+
+    /// Tokens per second if reading the streamed bytes at `disk_bytes_per_s` were the only
+    /// cost (`None` when nothing streams).
+    pub fn io_bound_tok_s(&self, disk_bytes_per_s: f64) -> Option<f64> {
+        let b = self.streamed_bytes_per_token();
+        (self.streams() && b > 0).then(|| disk_bytes_per_s / b as f64)
+    }
+
+    /// The placement as a human-readable table.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let streamed_layers = self
+            .layers
+            .iter()
+            .filter(|p| **p == Placement::Streamed)
+            .count();
+        let _ = writeln!(s, "budget            {:>10}", mib(self.budget));
+        let f = &self.floor;
+        let _ = writeln!(s, "  runtime         {:>10}", mib(f.runtime));
+        let _ = writeln!(s, "  tokenizer       {:>10}", mib(f.tokenizer));
+        let _ = writeln!(s, "  tables          {:>10}", mib(f.tables));
+        let _ = writeln!(s, "  session + KV    {:>10}", mib(f.session));
+        let _ = writeln!(
+            s,
+            "  stream ring     {:>10}  ({SLOTS} × {})",
+            mib(f.ring),
+            mib(self.slot_bytes)
+        );
+        let _ = writeln!(s, "  resident weights{:>10}", mib(self.resident_bytes));
+        let _ = writeln!(s, "  planned total   {:>10}", mib(self.planned_bytes()));
+        let _ = writeln!(s, "output head       {:?}", self.head);
+        let _ = writeln!(s, "embeddings        {:?}", self.embeddings);
+        let _ = writeln!(
+            s,
+            "layers            {} resident, {} streamed{}",
+            self.layers.len() - streamed_layers,
+            streamed_layers,
+            if streamed_layers > 0 {
+                format!(
+                    " ({})",
+                    self.layers
+                        .iter()
+                        .map(|p| if *p == Placement::Resident { 'R' } else { 's' })
+                        .collect::<String>()
+                )
+            } else {
+                String::new()
+            }
+        );
+        let _ = writeln!(
+            s,
+            "read per token    {:>10}  of {} dense",
+            mib(self.streamed_bytes_per_token()),
+            mib(self.dense_bytes_per_token)
+        );
+        s
+    }
+}
+
+/// Parses a size: binary (`KiB`, `MiB`, `GiB`, `TiB`, and the short `K`, `M`, `G`, `T`) and
+/// decimal (`kB`, `MB`, `GB`, `TB`) units, case-insensitive; no unit means bytes; fractions
+/// allowed (`1.5GiB`).
+pub fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    if number.is_empty() {
+        return Err(format!("`{text}` does not start with a number"));
+    }
+    let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        other => return Err(format!("unknown unit `{other}` in `{text}`")),
+    };
+    let bytes = if let Ok(n) = number.parse::<u64>() {
+        n.checked_mul(multiplier)
+    } else {
+        let f: f64 = number
+            .parse()
+            .map_err(|_| format!("`{number}` is not a number"))?;
+        let b = f * multiplier as f64;
+        (b.is_finite() && b >= 0.0 && b < u64::MAX as f64).then_some(b as u64)
+    };
+    bytes.ok_or_else(|| format!("`{text}` is too large"))
+}
+
+/// Bytes as MiB with one decimal.
+pub fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging_bridges_small_gaps_only() {
+        let m = merged(
+            vec![100..200, 0..50, 250..300, 300 + MERGE_GAP + 1..400_000],
+            MERGE_GAP,
+        );
+        assert_eq!(m, vec![0..300, 300 + MERGE_GAP + 1..400_000]);
+        assert_eq!(merged(vec![10..20, 0..10, 30..40], 0), vec![0..20, 30..40]);
+    }
+
+    #[test]
+    fn spread_keeps_k_evenly() {
+        assert_eq!(spread(4, 2), vec![true, false, true, false]);
+        assert_eq!(spread(3, 0), vec![false; 3]);
+        assert_eq!(spread(3, 3), vec![true; 3]);
+    }
+
+    #[test]
+    fn slot_offsets_follow_the_reads() {
+        let u = Unit {
+            kind: UnitKind::Layer(0),
+            reads: vec![4096..8192, 16384..24576],
+        };
+        assert_eq!(u.bytes(), 4096 + 8192);
+        assert_eq!(u.slot_offset(&(4100..4200)), Some(4));
+        assert_eq!(u.slot_offset(&(16384..16400)), Some(4096));
+        assert_eq!(u.slot_offset(&(8000..9000)), None);
+    }
+}
