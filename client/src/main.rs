@@ -61,6 +61,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    #[cfg(feature = "offline")]
+    leanstream_engine::alloc::configure();
     let cli = Cli::parse();
     match cli.command {
         Command::Daemon(command) => daemon_cmds::run(&cli.bus, command),

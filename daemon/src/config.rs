@@ -91,6 +91,7 @@ pub struct RawModel {
     pub kv_type: Option<String>,
     pub sparsity: Option<f64>,
     pub cache_share: Option<f64>,
+    pub max_bytes: Option<ByteSize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -147,6 +148,10 @@ pub struct ModelParams {
     pub priority: Priority,
     /// Element type of its sessions' KV caches: `f16` (default), `f32` or `q8_0`.
     pub kv_type: KvType,
+    /// `dense` mode only, `[models.NAME]` only: the most the model itself may hold (weights,
+    /// tokenizer, tables, weight-stream ring). The memory planner keeps what fits and streams
+    /// the other weights from storage every token. `None` (default): every weight is read.
+    pub max_bytes: Option<u64>,
     /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
     /// `engine.sparsity`, …).
     pub mode_key: String,
@@ -232,6 +237,7 @@ impl Params {
                 .unwrap_or(DEFAULT_CACHE_SHARE),
             priority: parse_priority("engine.priority", e.priority.as_deref())?.unwrap_or_default(),
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
+            max_bytes: None,
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
             cache_share_key: "engine.cache_share".into(),
@@ -429,6 +435,15 @@ fn model_params(
             "has no effect: the model runs in `dense` mode (set `mode` to a sparse mode)",
         ));
     }
+    if m.max_bytes.is_some() && effective != Mode::Dense {
+        return Err(bad(
+            &key("max_bytes"),
+            format!(
+                "plans a dense model's weights; the model runs in `{effective}` mode, whose \
+                 size is its resident part and `cache_share`"
+            ),
+        ));
+    }
     if cache_share.is_some() && !effective.uses_cache() {
         return Err(bad(
             &key("cache_share"),
@@ -459,6 +474,7 @@ fn model_params(
         cache_share: cache_share.unwrap_or(engine.cache_share),
         priority: priority.unwrap_or(engine.priority),
         kv_type: kv_type.unwrap_or(engine.kv_type),
+        max_bytes: m.max_bytes.map(|b| b.0),
     })
 }
 
@@ -529,6 +545,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("models.dir"), "{msg}");
+    }
+
+    #[test]
+    fn max_bytes_plans_dense_models_only() {
+        let p = params("[models]\ndir = \"DIR\"\n[models.m]\nmax_bytes = \"60MB\"\n").unwrap();
+        assert_eq!(p.model("m").max_bytes, Some(60_000_000));
+        assert_eq!(p.model("other").max_bytes, None);
+        let e = params("[models]\ndir = \"DIR\"\n[models.m]\nmode = \"leanstream\"\nmax_bytes = \"60MB\"\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("models.m.max_bytes"), "{e}");
     }
 
     #[test]

@@ -293,7 +293,7 @@ impl Scheduler {
                         self.finished(id, true, 0, 0);
                     }
                     drop(s);
-                    crate::alloc::trim();
+                    leanstream_engine::alloc::trim();
                     let _ = self.events.send(EngineEvent::Dropped { id });
                 }
             }

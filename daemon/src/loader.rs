@@ -88,8 +88,10 @@ impl Footprint {
     pub fn of(file: &ModelFile, p: &ModelParams) -> Result<Footprint, LoadError> {
         let failed = |e: leanstream_engine::Error| LoadError::Failed(e.to_string());
         if p.mode == Mode::Dense {
+            let all = load_bytes_estimate(&file.path, false).map_err(failed)?;
             return Ok(Footprint {
-                resident_bytes: load_bytes_estimate(&file.path, false).map_err(failed)?,
+                // Under `max_bytes` the plan holds at most that (what does not fit streams).
+                resident_bytes: p.max_bytes.map_or(all, |m| m.min(all)),
                 cache_bytes: 0,
                 cache_floor_bytes: 0,
             });
@@ -202,7 +204,26 @@ impl LoadedModel {
             LoadError::Failed(format!("loading model {}: {e}", file.name))
         };
         let (model, ffn) = if p.mode == Mode::Dense {
-            (Model::load(&file.path).map_err(failed)?, None)
+            let model = match p.max_bytes {
+                Some(max) => Model::load_with_max_bytes(&file.path, max).map_err(|e| match e {
+                    leanstream_engine::Error::OverBudget { .. } => LoadError::Failed(format!(
+                        "model {}: `models.{}.max_bytes` = {max} is too small: {e}",
+                        file.name, file.name
+                    )),
+                    e => failed(e),
+                })?,
+                None => Model::load(&file.path).map_err(failed)?,
+            };
+            if let Some(plan) = model.plan() {
+                tracing::info!(
+                    "model {}: planned within {} bytes: {} resident, {} streamed per token",
+                    file.name,
+                    plan.budget,
+                    plan.resident_bytes,
+                    plan.streamed_bytes_per_token()
+                );
+            }
+            (model, None)
         } else {
             let sm = open_sparse(file, p)?;
             let off = p.sparsity == Some(0.0);

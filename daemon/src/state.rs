@@ -1020,7 +1020,7 @@ fn load_reserved(
     let model = LoadedModel::load(file, params, footprint.cache_floor_bytes);
     // Parsing a model file frees a lot of small allocations (its metadata, the tokenizer's
     // source): hand them back rather than keep them beside the model.
-    crate::alloc::trim();
+    leanstream_engine::alloc::trim();
     model
 }
 
@@ -1033,7 +1033,7 @@ fn drop_last(model: Arc<LoadedModel>) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     drop(model);
-    crate::alloc::trim();
+    leanstream_engine::alloc::trim();
 }
 
 fn reply_err(waiter: Waiter, e: LeanStreamError) {

@@ -13,6 +13,7 @@
 //!   neuron cache, activation predictors, and the five pipeline modes);
 //! - [`bench`]: the mode comparison behind `leanstream bench`.
 
+pub mod alloc;
 pub mod backend;
 pub mod bench;
 pub mod cache;

@@ -29,8 +29,9 @@ use crate::kv::KvType;
 use crate::model::{LayerWeights, QRows, Weights};
 use crate::{Error, Result};
 
-/// Buffers of the streaming ring: one being computed, one read ahead, one being read.
-pub const SLOTS: usize = 3;
+/// Buffers of the streaming ring: [`crate::stream::LANES`] readers with
+/// [`crate::stream::SLOTS_PER_LANE`] each, so that one unit computes while the next ones read.
+pub const SLOTS: usize = crate::stream::LANES * crate::stream::SLOTS_PER_LANE;
 
 /// Resident memory of the process besides anything the engine accounts: code and data pages
 /// of the binary and its libraries, thread stacks, allocator slack. Measured with `leanstream run`
@@ -66,6 +67,9 @@ pub struct Unit {
     /// The page-aligned file ranges read, in slot order: range `i` lands at slot offset
     /// `sum(len of ranges before i)`.
     pub reads: Vec<Range<u64>>,
+    /// The end of the last byte the unit needs: the last read's page may run past the end of the
+    /// file.
+    pub end: u64,
 }
 
 impl Unit {
@@ -192,6 +196,18 @@ impl Floor {
     }
 }
 
+impl Floor {
+    /// The floor of the model alone (tokenizer, tables; the ring is added by the plan): for a
+    /// caller that accounts the runtime and the sessions itself (the daemon).
+    pub fn model_only(model: &Model) -> Floor {
+        Floor {
+            tokenizer: model.tokenizer.heap_bytes(),
+            tables: model.weights.bytes().heap,
+            ..Floor::default()
+        }
+    }
+}
+
 impl Plan {
     /// The plan for `w` in a process budget of `budget` bytes whose non-weight part is `floor`
     /// (its `ring` is filled in here). Errors, naming the bytes, if the budget cannot hold the
@@ -293,6 +309,7 @@ impl Plan {
                 self.units.push(Unit {
                     kind: UnitKind::Layer(l),
                     reads: aligned(&layer_reads[l]),
+                    end: layer_reads[l].last().map_or(0, |r| r.end),
                 });
             }
         }
@@ -306,7 +323,8 @@ impl Plan {
                 let bytes = start + r0 as u64 * row_bytes..start + r1 as u64 * row_bytes;
                 self.units.push(Unit {
                     kind: UnitKind::Head { rows: r0..r1 },
-                    reads: aligned(&[bytes]),
+                    reads: aligned(std::slice::from_ref(&bytes)),
+                    end: bytes.end,
                 });
                 r0 = r1;
             }
@@ -485,6 +503,7 @@ mod tests {
         let u = Unit {
             kind: UnitKind::Layer(0),
             reads: vec![4096..8192, 16384..24576],
+            end: 20000,
         };
         assert_eq!(u.bytes(), 4096 + 8192);
         assert_eq!(u.slot_offset(&(4100..4200)), Some(4));

@@ -11,6 +11,7 @@ use leanstream_engine::pipeline::Mode;
 use leanstream_engine::predict::PredictorKind;
 
 use super::PrecisionArg;
+use super::capped;
 
 /// The prompts used when `--prompts` is not given (one per line).
 const DEFAULT_PROMPTS: &str = include_str!("../../../data/prompts/bench.txt");
@@ -80,6 +81,27 @@ pub struct BenchArgs {
     /// Write an SVG plot of tokens/s and miss ratio against the budget here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Run the capped bench instead: each engine in its own memory cgroup capped at each of
+    /// these (percentages of the GGUF's size, or sizes like `60MB`), page cache dropped first.
+    /// `--model` may then be a GGUF or a `.lsm` file. Needs root.
+    #[arg(long, value_delimiter = ',', value_parser = capped::parse_cap)]
+    pub memory_cap: Vec<capped::Cap>,
+    /// The GGUF llama.cpp runs and cap percentages refer to (default: `--model`).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// A llama.cpp build (its directory or `bin/`) to run on the same GGUF, prompts and caps
+    /// (`scripts/build-llama` makes one).
+    #[arg(long)]
+    pub peer_llama: Option<PathBuf>,
+    /// Capped bench: prompts per row (the first N of the prompt set).
+    #[arg(long, default_value_t = 3)]
+    pub capped_prompts: usize,
+    /// Capped bench: context of every run (llama.cpp's `-c`).
+    #[arg(long, default_value_t = 256)]
+    pub context: usize,
+    /// Capped bench: a child running longer than this many seconds is killed (`timeout`).
+    #[arg(long, default_value_t = 300)]
+    pub row_timeout: u64,
 }
 
 /// Parses `20%`, `20` (both percent) or `0.2` (a fraction).
@@ -127,6 +149,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .collect();
     if prompts.is_empty() {
         anyhow::bail!("no prompts: the prompt file has no non-empty lines");
+    }
+    if !args.memory_cap.is_empty() {
+        return run_capped(&args, prompts);
     }
     let heldout = match &args.heldout {
         Some(p) => read_text(p)?,
@@ -190,4 +215,61 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `--memory-cap`: the capped bench (see [`capped`]).
+fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
+    let gguf = args.gguf.clone().unwrap_or_else(|| args.model.clone());
+    let disk = if args.no_disk_probe {
+        None
+    } else {
+        let len = std::fs::metadata(&args.model)
+            .with_context(|| format!("reading {}", args.model.display()))?
+            .len();
+        let opts = leanstream_engine::bench::disk::ProbeOptions {
+            queue_depth: leanstream_engine::stream::READERS,
+            block_bytes: 512 << 10,
+            ..Default::default()
+        };
+        Some(leanstream_engine::bench::disk::probe(&args.model, 0..len, &opts)?)
+    };
+    let cfg = capped::CappedConfig {
+        model: args.model.clone(),
+        gguf,
+        caps: args.memory_cap.clone(),
+        prompts: prompts.into_iter().take(args.capped_prompts.max(1)).collect(),
+        tokens: args.tokens.max(2),
+        context: args.context,
+        threads: args.threads,
+        peer_llama: args.peer_llama.clone(),
+        row_timeout: std::time::Duration::from_secs(args.row_timeout),
+        disk_bytes_per_s: disk.as_ref().map(|d| d.bytes_per_s),
+    };
+    let rows = capped::run(&cfg, &mut |what| eprintln!("{what}"))?;
+    print!("{}", capped::table(&rows));
+    if let Some(d) = &disk {
+        println!(
+            "disk: {:.0} MB/s (O_DIRECT, 512 KiB reads, {} in flight, on {}); plan bound tok/s = disk MB/s / plan read/tok",
+            d.bytes_per_s / 1e6,
+            d.queue_depth,
+            args.model.display()
+        );
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, capped::json(&rows))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!(
+            "{} — decode tokens/s under a memory cap",
+            gguf_name(&cfg.gguf)
+        );
+        std::fs::write(path, capped::svg(&rows, &title))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn gguf_name(p: &std::path::Path) -> String {
+    p.file_name().unwrap_or_default().to_string_lossy().into_owned()
 }

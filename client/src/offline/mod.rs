@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod calibrate;
+pub mod capped;
 pub mod convert;
 pub mod perplexity;
 pub mod plan;

@@ -59,6 +59,22 @@ impl Model {
     /// session of `context` tokens: the [`Plan`] decides what is read now and what streams.
     /// Everything resident when it fits (then this is [`Model::load`] with a plan attached).
     pub fn load_within(path: &Path, budget: u64, context: usize, kv: KvType) -> Result<Arc<Model>> {
+        Model::load_planned(path, budget, &|m| Floor::of(m, context, kv))
+    }
+
+    /// Loads `path` so that the model itself holds at most `budget` bytes (weights, tokenizer,
+    /// tables, ring), its sessions being accounted elsewhere: what the daemon's `max_bytes`
+    /// asks for.
+    pub fn load_with_max_bytes(path: &Path, budget: u64) -> Result<Arc<Model>> {
+        Model::load_planned(path, budget, &Floor::model_only)
+    }
+
+    /// Loads `path` under the plan for `budget` with the non-weight part `floor` says.
+    fn load_planned(
+        path: &Path,
+        budget: u64,
+        floor: &dyn Fn(&Model) -> Floor,
+    ) -> Result<Arc<Model>> {
         let (mapped, tokenizer, chat_template) = crate::model::load_mapped(path)?;
         let probe = Model {
             path: path.to_path_buf(),
@@ -67,7 +83,7 @@ impl Model {
             chat_template,
             planned: None,
         };
-        let plan = Plan::new(&probe.weights, budget, Floor::of(&probe, context, kv))?;
+        let plan = Plan::new(&probe.weights, budget, floor(&probe))?;
         let image = crate::model::read_ranges(path, &plan.resident_ranges)?;
         let weights = probe.weights.rebased_onto(&image)?;
         let max_row = weights.token_embd.row_bytes();
@@ -80,6 +96,8 @@ impl Model {
                 UnitKind::Head { .. } => head_units.push(i),
             }
         }
+        // The map's tokenizer parse and the layout pass left small allocations free.
+        crate::alloc::trim();
         Ok(Arc::new(Model {
             path: probe.path,
             weights,

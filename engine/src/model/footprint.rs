@@ -22,7 +22,8 @@ pub struct ModelBytes {
     pub weights: OwnedBytes,
     /// The tokenizer's heap (an estimate: see [`Tokenizer::heap_bytes`]).
     pub tokenizer: u64,
-    /// The path, the chat template and the model's own struct.
+    /// The path, the chat template, the model's own struct and, under a memory plan, the weight
+    /// stream's ring.
     pub other: u64,
 }
 
@@ -54,7 +55,8 @@ impl Model {
             other: (std::mem::size_of::<Model>()
                 + self.path.capacity()
                 + self.chat_template.as_ref().map_or(0, String::capacity))
-                as u64,
+                as u64
+                + self.planned.as_ref().map_or(0, |p| p.stream.ring_bytes()),
         }
     }
 }

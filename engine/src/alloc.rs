@@ -1,5 +1,6 @@
-//! How the daemon hands freed memory back to the system, so that its resident size follows
-//! what the memory budget accounts and does not keep the high-water mark of past sessions.
+//! How a process running the engine hands freed memory back to the system, so that its
+//! resident size follows what a memory budget accounts and does not keep the high-water mark of
+//! past sessions or of a model's load (the daemon and `leanstream run --memory-budget`).
 //!
 //! The allocator is glibc's malloc, tuned at start rather than replaced (a second allocator
 //! would be one more thing to build for every board image, and the engine's large buffers do

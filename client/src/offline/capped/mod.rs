@@ -1,0 +1,312 @@
+//! `leanstream bench --memory-cap`: each engine decodes the same prompts from the same model
+//! file inside a real memory cgroup capped at each size, cold (page cache dropped first), one
+//! child process per prompt so that nothing of one row is left in the next.
+//!
+//! Rows: LeanStream (`leanstream run --memory-budget CAP`: the memory planner fits the model
+//! into the cap and streams what does not fit) and, with `--peer-llama DIR`, llama.cpp's
+//! `llama-completion` (memory-mapped weights, the kernel's page cache decides what stays). For
+//! each: decode tokens/s, completed or killed (OOM) or timed out, the cgroup's peak memory,
+//! bytes read from storage per token (the child's block input, all threads), and for LeanStream
+//! the plan's prediction next to it (bytes per token, the storage-bound tokens/s at the disk's
+//! measured bandwidth).
+
+mod cgroup;
+mod peer;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+
+pub use cgroup::{MemoryCgroup, drop_caches};
+
+/// A cap: bytes, or a share of the reference file's size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Cap {
+    Bytes(u64),
+    Share(f64),
+}
+
+/// Parses `60%` or a size (`60MB`, `64MiB`).
+pub fn parse_cap(s: &str) -> Result<Cap, String> {
+    match s.trim().strip_suffix('%') {
+        Some(p) => {
+            let v: f64 = p.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+            if !(v > 0.0 && v <= 1000.0) {
+                return Err(format!("`{s}` is outside (0 %, 1000 %]"));
+            }
+            Ok(Cap::Share(v / 100.0))
+        }
+        None => leanstream_engine::plan::parse_bytes(s).map(Cap::Bytes),
+    }
+}
+
+impl Cap {
+    pub fn bytes(self, reference: u64) -> u64 {
+        match self {
+            Cap::Bytes(b) => b,
+            Cap::Share(f) => (f * reference as f64) as u64,
+        }
+    }
+}
+
+/// What the capped bench runs.
+#[derive(Clone, Debug)]
+pub struct CappedConfig {
+    /// The file LeanStream serves (GGUF or `.lsm`).
+    pub model: PathBuf,
+    /// The GGUF llama.cpp runs and percentages refer to (default: `model`).
+    pub gguf: PathBuf,
+    pub caps: Vec<Cap>,
+    pub prompts: Vec<String>,
+    pub tokens: usize,
+    pub context: usize,
+    pub threads: usize,
+    /// llama.cpp's `bin` directory (with `llama-completion`).
+    pub peer_llama: Option<PathBuf>,
+    /// A row's child that runs longer is killed and the row marked `timeout`.
+    pub row_timeout: Duration,
+    /// The disk's O_DIRECT read bandwidth, for the predicted storage-bound tokens/s.
+    pub disk_bytes_per_s: Option<f64>,
+}
+
+/// How a row's child ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Completed,
+    Killed,
+    Timeout,
+    Failed,
+}
+
+/// One engine under one cap.
+#[derive(Clone, Debug, Serialize)]
+pub struct CappedRow {
+    pub engine: String,
+    pub cap_bytes: u64,
+    pub outcome: Outcome,
+    /// Decode tokens/s over all prompts (0 unless completed).
+    pub decode_tokens_per_s: f64,
+    pub peak_cgroup_bytes: Option<u64>,
+    pub read_bytes_per_token: f64,
+    /// The plan's bytes read per token (LeanStream only).
+    pub predicted_read_bytes_per_token: Option<f64>,
+    /// The plan's storage-bound tokens/s at the measured disk bandwidth (LeanStream only).
+    pub predicted_bound_tok_s: Option<f64>,
+    pub tokens_decoded: u64,
+    /// What went wrong, when not completed (the child's last stderr line).
+    pub note: Option<String>,
+}
+
+/// What one child reported.
+pub(crate) struct ChildRun {
+    pub outcome: Outcome,
+    pub stdout: String,
+    pub stderr: String,
+    pub read_bytes: u64,
+    pub peak: Option<u64>,
+}
+
+/// Runs `cmd` in a fresh cgroup capped at `cap` bytes, cold, with a time limit.
+pub(crate) fn run_capped(cmd: &mut Command, cap: u64, timeout: Duration) -> anyhow::Result<ChildRun> {
+    drop_caches()?;
+    let name = format!("leanstream-bench-{}", std::process::id());
+    let cg = MemoryCgroup::create(&name, cap)?;
+    cg.enter_on_spawn(cmd);
+    let out_path = std::env::temp_dir().join(format!("{name}.out"));
+    let err_path = std::env::temp_dir().join(format!("{name}.err"));
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path)?)
+        .stderr(std::fs::File::create(&err_path)?)
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    let pid = child.id() as libc::pid_t;
+    let start = Instant::now();
+    let (status, usage, timed_out) = loop {
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `pid` is our child; status and usage point to valid locals.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        if r == pid {
+            break (status, usage, false);
+        }
+        if r < 0 {
+            bail!("waiting for {cmd:?}: {}", std::io::Error::last_os_error());
+        }
+        if start.elapsed() > timeout {
+            // SAFETY: kill(2) on our own child, which has not been reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // SAFETY: as above; blocks until the killed child is reaped.
+            unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+            break (status, usage, true);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+    let _ = std::fs::remove_file(&out_path);
+    let _ = std::fs::remove_file(&err_path);
+    let killed = libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL;
+    let outcome = if timed_out {
+        Outcome::Timeout
+    } else if killed || cg.oom_kills() > 0 {
+        Outcome::Killed
+    } else if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Outcome::Completed
+    } else {
+        Outcome::Failed
+    };
+    Ok(ChildRun {
+        outcome,
+        stdout,
+        stderr,
+        // ru_inblock counts 512-byte blocks read from storage (page faults and O_DIRECT).
+        read_bytes: usage.ru_inblock as u64 * 512,
+        peak: cg.peak_bytes(),
+    })
+}
+
+/// Sums the prompts' children of one engine under one cap into a row.
+struct Tally {
+    row: CappedRow,
+    decode_s: f64,
+}
+
+impl Tally {
+    fn new(engine: &str, cap: u64) -> Tally {
+        Tally {
+            row: CappedRow {
+                engine: engine.to_string(),
+                cap_bytes: cap,
+                outcome: Outcome::Completed,
+                decode_tokens_per_s: 0.0,
+                peak_cgroup_bytes: None,
+                read_bytes_per_token: 0.0,
+                predicted_read_bytes_per_token: None,
+                predicted_bound_tok_s: None,
+                tokens_decoded: 0,
+                note: None,
+            },
+            decode_s: 0.0,
+        }
+    }
+
+    /// Adds one child: its decode figures (tokens, seconds) when it completed.
+    fn add(&mut self, run: &ChildRun, decode: Option<(u64, f64)>) {
+        let r = &mut self.row;
+        r.peak_cgroup_bytes = r.peak_cgroup_bytes.max(run.peak);
+        match (run.outcome, decode) {
+            (Outcome::Completed, Some((tokens, secs))) => {
+                r.tokens_decoded += tokens;
+                self.decode_s += secs;
+                r.read_bytes_per_token += run.read_bytes as f64;
+            }
+            (outcome, _) => {
+                if r.outcome == Outcome::Completed {
+                    r.outcome = if outcome == Outcome::Completed {
+                        Outcome::Failed
+                    } else {
+                        outcome
+                    };
+                    r.note = run.stderr.lines().rev().find(|l| !l.trim().is_empty()).map(str::to_string);
+                }
+            }
+        }
+    }
+
+    fn finish(mut self) -> CappedRow {
+        let r = &mut self.row;
+        if r.outcome == Outcome::Completed {
+            r.decode_tokens_per_s = r.tokens_decoded as f64 / self.decode_s.max(1e-9);
+            r.read_bytes_per_token /= r.tokens_decoded.max(1) as f64;
+        } else {
+            r.read_bytes_per_token = 0.0;
+        }
+        self.row
+    }
+}
+
+/// LeanStream's child for one prompt.
+fn leanstream_command(cfg: &CappedConfig, cap: u64, prompt: &str) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
+    cmd.args(["run", "--json", "--model"])
+        .arg(&cfg.model)
+        .args(["--prompt", prompt])
+        .args(["--max-tokens", &cfg.tokens.to_string()])
+        .args(["--memory-budget", &cap.to_string()])
+        .args(["--context", &cfg.context.to_string()])
+        .args(["--threads", &cfg.threads.to_string()])
+        .args(["--backend", "cpu"]);
+    Ok(cmd)
+}
+
+/// (decoded tokens, decode seconds, plan's bytes per token) from `leanstream run --json`.
+fn parse_leanstream(stdout: &str) -> Option<(u64, f64, Option<f64>)> {
+    let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    let s = &v["stats"];
+    // The first generated token comes from the prefill; decode is the rest.
+    let tokens = s["generated_tokens"].as_u64()?.saturating_sub(1);
+    let tps = s["decode_tokens_per_s"].as_f64()?;
+    let predicted = v["plan"]["streamed_bytes_per_token"].as_f64();
+    (tps > 0.0).then(|| (tokens, tokens as f64 / tps, predicted))
+}
+
+/// Runs every engine under every cap; `progress` gets a line per child.
+pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Vec<CappedRow>> {
+    if cfg.prompts.is_empty() {
+        bail!("no prompts");
+    }
+    let reference = std::fs::metadata(&cfg.gguf)
+        .with_context(|| format!("reading {}", cfg.gguf.display()))?
+        .len();
+    let llama = match &cfg.peer_llama {
+        Some(dir) => Some(peer::Llama::find(dir)?),
+        None => None,
+    };
+    let mut rows = Vec::new();
+    for &cap in &cfg.caps {
+        let cap = cap.bytes(reference);
+        let mut ours = Tally::new("leanstream", cap);
+        for (i, p) in cfg.prompts.iter().enumerate() {
+            progress(&format!("leanstream at {} MB, prompt {}", cap / 1_000_000, i + 1));
+            let run = run_capped(&mut leanstream_command(cfg, cap, p)?, cap, cfg.row_timeout)?;
+            let parsed = parse_leanstream(&run.stdout);
+            if let Some((_, _, Some(pred))) = parsed {
+                ours.row.predicted_read_bytes_per_token = Some(pred);
+                ours.row.predicted_bound_tok_s = cfg.disk_bytes_per_s.filter(|_| pred > 0.0).map(|bw| bw / pred);
+            }
+            ours.add(&run, parsed.map(|(t, s, _)| (t, s)));
+        }
+        rows.push(ours.finish());
+        if let Some(llama) = &llama {
+            let mut peer = Tally::new("llama.cpp", cap);
+            for (i, p) in cfg.prompts.iter().enumerate() {
+                progress(&format!("llama.cpp at {} MB, prompt {}", cap / 1_000_000, i + 1));
+                let mut cmd = llama.command(&cfg.gguf, p, cfg.tokens, cfg.context, cfg.threads);
+                let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
+                let parsed = peer::parse_timings(&run.stderr);
+                peer.add(&run, parsed);
+            }
+            rows.push(peer.finish());
+        }
+    }
+    Ok(rows)
+}
+
+pub use report::{json, svg, table};
+
+/// Where `leanstream` looks for llama.cpp when `--peer-llama` is a build directory.
+pub fn bin_dir(dir: &Path) -> PathBuf {
+    if dir.join("bin").is_dir() {
+        dir.join("bin")
+    } else {
+        dir.to_path_buf()
+    }
+}

@@ -1,0 +1,170 @@
+//! The capped bench's output: a table with both engines side by side per cap, the rows as JSON,
+//! and an SVG of decode tokens/s against the cap (log scale: the engines differ by orders of
+//! magnitude under tight caps).
+
+use std::fmt::Write as _;
+
+use super::{CappedRow, Outcome};
+
+fn mb(b: u64) -> String {
+    format!("{:.0}", b as f64 / 1e6)
+}
+
+/// The rows as an aligned table, with LeanStream ÷ llama.cpp at each cap.
+pub fn table(rows: &[CappedRow]) -> String {
+    let header = [
+        "cap MB", "engine", "outcome", "tok/s", "× llama", "peak MiB", "read/tok MiB",
+        "plan read/tok MiB", "plan bound tok/s",
+    ];
+    let peer_tps = |cap: u64| {
+        rows.iter()
+            .find(|r| r.engine == "llama.cpp" && r.cap_bytes == cap && r.outcome == Outcome::Completed)
+            .map(|r| r.decode_tokens_per_s)
+    };
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let ratio = match (r.engine.as_str(), peer_tps(r.cap_bytes)) {
+                ("llama.cpp", _) | (_, None) => "-".to_string(),
+                (_, Some(p)) => format!("{:.1}", r.decode_tokens_per_s / p.max(1e-9)),
+            };
+            vec![
+                mb(r.cap_bytes),
+                r.engine.clone(),
+                format!("{:?}", r.outcome).to_lowercase(),
+                format!("{:.2}", r.decode_tokens_per_s),
+                ratio,
+                r.peak_cgroup_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
+                format!("{:.1}", r.read_bytes_per_token / (1 << 20) as f64),
+                r.predicted_read_bytes_per_token
+                    .map_or("-".into(), |b| format!("{:.1}", b / (1 << 20) as f64)),
+                r.predicted_bound_tok_s.map_or("-".into(), |t| format!("{t:.1}")),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0))
+        .collect();
+    let mut s = String::new();
+    let line = |s: &mut String, c: &[String]| {
+        let parts: Vec<String> = c.iter().zip(&widths).map(|(v, w)| format!("{v:>w$}")).collect();
+        let _ = writeln!(s, "{}", parts.join("  "));
+    };
+    line(&mut s, &header.map(String::from));
+    for c in &cells {
+        line(&mut s, c);
+    }
+    s
+}
+
+/// The rows as pretty JSON.
+pub fn json(rows: &[CappedRow]) -> String {
+    serde_json::to_string_pretty(rows).unwrap_or_else(|_| "[]".into())
+}
+
+/// Decode tokens/s (log scale) against the cap, one line per engine; killed and timed-out rows
+/// are drawn as crosses on the axis.
+pub fn svg(rows: &[CappedRow], title: &str) -> String {
+    let (w, h, left, bottom, top, right) = (640.0, 400.0, 60.0, 50.0, 40.0, 140.0);
+    let caps: Vec<u64> = rows.iter().map(|r| r.cap_bytes).collect();
+    let (cmin, cmax) = (
+        *caps.iter().min().unwrap_or(&0) as f64,
+        *caps.iter().max().unwrap_or(&1) as f64,
+    );
+    let tps: Vec<f64> = rows.iter().map(|r| r.decode_tokens_per_s).filter(|t| *t > 0.0).collect();
+    let lo = tps.iter().cloned().fold(f64::INFINITY, f64::min).min(1.0).log10().floor() - 0.0;
+    let hi = tps.iter().cloned().fold(1.0, f64::max).log10().ceil().max(lo + 1.0);
+    let x = |c: f64| left + (c - cmin) / (cmax - cmin).max(1.0) * (w - left - right);
+    let y = |t: f64| h - bottom - (t.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * (h - top - bottom);
+    let mut s = String::new();
+    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
+    let _ = writeln!(s, r#"<text x="{left}" y="20" font-size="14">{}</text>"#, escape(title));
+    let _ = writeln!(s, r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#, h - bottom, w - right, h - bottom);
+    let _ = writeln!(s, r#"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>"#, h - bottom);
+    for e in (lo as i32)..=(hi as i32) {
+        let t = 10f64.powi(e);
+        let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, left - 6.0, y(t) + 4.0, t);
+    }
+    let mut seen = Vec::new();
+    for &c in &caps {
+        if !seen.contains(&c) {
+            seen.push(c);
+            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, x(c as f64), h - bottom + 16.0, mb(c));
+        }
+    }
+    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">memory cap (MB)</text>"#, (left + w - right) / 2.0, h - 12.0);
+    let _ = writeln!(s, r#"<text x="14" y="{}" transform="rotate(-90 14 {})" text-anchor="middle">decode tokens/s</text>"#, h / 2.0, h / 2.0);
+    let colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+    let mut engines: Vec<&str> = Vec::new();
+    for r in rows {
+        if !engines.contains(&r.engine.as_str()) {
+            engines.push(&r.engine);
+        }
+    }
+    for (i, e) in engines.iter().enumerate() {
+        let colour = colours[i % colours.len()];
+        let mut pts: Vec<&CappedRow> = rows.iter().filter(|r| r.engine == *e).collect();
+        pts.sort_by_key(|r| r.cap_bytes);
+        let line: Vec<String> = pts
+            .iter()
+            .filter(|r| r.outcome == Outcome::Completed)
+            .map(|r| format!("{:.1},{:.1}", x(r.cap_bytes as f64), y(r.decode_tokens_per_s)))
+            .collect();
+        let _ = writeln!(s, r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#, line.join(" "));
+        for r in &pts {
+            let (px, py) = (x(r.cap_bytes as f64), y(r.decode_tokens_per_s));
+            if r.outcome == Outcome::Completed {
+                let _ = writeln!(s, r#"<circle cx="{px:.1}" cy="{py:.1}" r="3" fill="{colour}"/>"#);
+            } else {
+                let _ = writeln!(s, r#"<text x="{px:.1}" y="{:.1}" fill="{colour}" text-anchor="middle">×</text>"#, h - bottom - 4.0);
+            }
+        }
+        let ly = top + 20.0 * i as f64;
+        let _ = writeln!(s, r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="2"/>"#, w - right + 10.0, w - right + 30.0);
+        let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, w - right + 36.0, ly + 4.0, escape(e));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn escape(t: &str) -> String {
+    t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(engine: &str, cap: u64, tps: f64, outcome: Outcome) -> CappedRow {
+        CappedRow {
+            engine: engine.into(),
+            cap_bytes: cap,
+            outcome,
+            decode_tokens_per_s: tps,
+            peak_cgroup_bytes: Some(cap / 2),
+            read_bytes_per_token: 1e6,
+            predicted_read_bytes_per_token: None,
+            predicted_bound_tok_s: None,
+            tokens_decoded: 10,
+            note: None,
+        }
+    }
+
+    #[test]
+    fn the_table_divides_by_llama_at_the_same_cap() {
+        let rows = [
+            row("leanstream", 60_000_000, 20.0, Outcome::Completed),
+            row("llama.cpp", 60_000_000, 2.0, Outcome::Completed),
+            row("leanstream", 40_000_000, 9.0, Outcome::Completed),
+            row("llama.cpp", 40_000_000, 0.0, Outcome::Killed),
+        ];
+        let t = table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[1].contains("10.0"), "{t}");
+        assert!(lines[3].split_whitespace().nth(4) == Some("-"), "{t}");
+        assert!(lines[4].contains("killed"), "{t}");
+        let svg = svg(&rows, "t");
+        assert_eq!(svg.matches("<circle").count(), 3);
+        assert!(svg.contains('×'));
+    }
+}
