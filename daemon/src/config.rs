@@ -552,8 +552,10 @@ mod tests {
         let p = params("[models]\ndir = \"DIR\"\n[models.m]\nmax_bytes = \"60MB\"\n").unwrap();
         assert_eq!(p.model("m").max_bytes, Some(60_000_000));
         assert_eq!(p.model("other").max_bytes, None);
-        let e = params("[models]\ndir = \"DIR\"\n[models.m]\nmode = \"leanstream\"\nmax_bytes = \"60MB\"\n")
-            .unwrap_err();
+        let e = params(
+            "[models]\ndir = \"DIR\"\n[models.m]\nmode = \"leanstream\"\nmax_bytes = \"60MB\"\n",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("models.m.max_bytes"), "{e}");
     }
 

@@ -360,6 +360,29 @@ mod tests {
     }
 
     #[test]
+    fn max_bytes_plans_a_dense_model_within_it_and_computes_the_same_tokens() {
+        let fx = Fixture::new();
+        let file = fx.deep_gguf("deep");
+        let (full_fp, full) = load(&file, &fx.params("")).unwrap();
+        let max = full_fp.resident_bytes / 2;
+        let params = fx.params(&format!("[models.deep]\nmax_bytes = {max}\n"));
+        let (fp, half) = load(&file, &params).unwrap();
+        assert_eq!(fp.resident_bytes, max, "the reservation is max_bytes");
+        assert!(half.model.bytes() <= max, "{} > {max}", half.model.bytes());
+        let plan = half.model.plan().unwrap();
+        assert!(plan.streams(), "half the model cannot be resident");
+        let tokens = |m: &LoadedModel| {
+            let mut s = m.open_session(8, Precision::Exact, KvType::F32).unwrap();
+            (1..6u32)
+                .map(|t| leanstream_engine::sample::argmax(s.forward(t).unwrap()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(tokens(&half), tokens(&full));
+        let small = fx.params("[models.deep]\nmax_bytes = 4096\n");
+        assert!(failure(load(&file, &small)).contains("max_bytes"));
+    }
+
+    #[test]
     fn a_streaming_mode_accounts_the_resident_part_and_its_cache() {
         let fx = Fixture::new();
         let file = fx.lsm("tiny", None);

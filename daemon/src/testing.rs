@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use leanstream_engine::calibrate::{self, CalibrateOptions};
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::quant::DType;
 
 use crate::config::Params;
@@ -35,6 +35,16 @@ impl Fixture {
     pub fn gguf(&self, name: &str) -> ModelFile {
         let path = self.models().join(format!("{name}.gguf"));
         TinyLlama::new(5).write_gguf(&path, DType::Q4_1).unwrap();
+        models::resolve(&self.models(), name).unwrap()
+    }
+
+    /// Writes `models/NAME.gguf`: a tiny model 12 layers deep in f32, so that a memory plan
+    /// can stream some of its layers (a ring of a few layers is then well under the model).
+    pub fn deep_gguf(&self, name: &str) -> ModelFile {
+        let path = self.models().join(format!("{name}.gguf"));
+        TinyLlama::with_layers(5, TinyArch::Llama, 12)
+            .write_gguf(&path, DType::F32)
+            .unwrap();
         models::resolve(&self.models(), name).unwrap()
     }
 

@@ -172,7 +172,11 @@ impl WeightStream {
 
     fn io_error(&self, e: std::io::Error) -> Error {
         Error::Io {
-            path: self.reader.path().map(|p| p.to_path_buf()).unwrap_or_default(),
+            path: self
+                .reader
+                .path()
+                .map(|p| p.to_path_buf())
+                .unwrap_or_default(),
             source: e,
         }
     }
@@ -346,7 +350,10 @@ fn read_unit(reader: &dyn ReadAt, unit: &Unit, slot: &mut [u8]) -> std::io::Resu
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))
+            })
             .collect::<std::io::Result<()>>()
     })
 }

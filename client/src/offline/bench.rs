@@ -231,13 +231,20 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
             block_bytes: 512 << 10,
             ..Default::default()
         };
-        Some(leanstream_engine::bench::disk::probe(&args.model, 0..len, &opts)?)
+        Some(leanstream_engine::bench::disk::probe(
+            &args.model,
+            0..len,
+            &opts,
+        )?)
     };
     let cfg = capped::CappedConfig {
         model: args.model.clone(),
         gguf,
         caps: args.memory_cap.clone(),
-        prompts: prompts.into_iter().take(args.capped_prompts.max(1)).collect(),
+        prompts: prompts
+            .into_iter()
+            .take(args.capped_prompts.max(1))
+            .collect(),
         tokens: args.tokens.max(2),
         context: args.context,
         threads: args.threads,
@@ -271,5 +278,8 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
 }
 
 fn gguf_name(p: &std::path::Path) -> String {
-    p.file_name().unwrap_or_default().to_string_lossy().into_owned()
+    p.file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned()
 }

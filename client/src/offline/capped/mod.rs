@@ -34,7 +34,10 @@ pub enum Cap {
 pub fn parse_cap(s: &str) -> Result<Cap, String> {
     match s.trim().strip_suffix('%') {
         Some(p) => {
-            let v: f64 = p.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+            let v: f64 = p
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{s}` is not a percentage"))?;
             if !(v > 0.0 && v <= 1000.0) {
                 return Err(format!("`{s}` is outside (0 %, 1000 %]"));
             }
@@ -112,7 +115,11 @@ pub(crate) struct ChildRun {
 }
 
 /// Runs `cmd` in a fresh cgroup capped at `cap` bytes, cold, with a time limit.
-pub(crate) fn run_capped(cmd: &mut Command, cap: u64, timeout: Duration) -> anyhow::Result<ChildRun> {
+pub(crate) fn run_capped(
+    cmd: &mut Command,
+    cap: u64,
+    timeout: Duration,
+) -> anyhow::Result<ChildRun> {
     drop_caches()?;
     let name = format!("leanstream-bench-{}", std::process::id());
     let cg = MemoryCgroup::create(&name, cap)?;
@@ -214,7 +221,12 @@ impl Tally {
                     } else {
                         outcome
                     };
-                    r.note = run.stderr.lines().rev().find(|l| !l.trim().is_empty()).map(str::to_string);
+                    r.note = run
+                        .stderr
+                        .lines()
+                        .rev()
+                        .find(|l| !l.trim().is_empty())
+                        .map(str::to_string);
                 }
             }
         }
@@ -275,12 +287,19 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
         let cap = cap.bytes(reference);
         let mut ours = Tally::new("leanstream", cap);
         for (i, p) in cfg.prompts.iter().enumerate() {
-            progress(&format!("leanstream at {} MB, prompt {}", cap / 1_000_000, i + 1));
+            progress(&format!(
+                "leanstream at {} MB, prompt {}",
+                cap / 1_000_000,
+                i + 1
+            ));
             let run = run_capped(&mut leanstream_command(cfg, cap, p)?, cap, cfg.row_timeout)?;
             let parsed = parse_leanstream(&run.stdout);
             if let Some((_, _, Some(pred))) = parsed {
                 ours.row.predicted_read_bytes_per_token = Some(pred);
-                ours.row.predicted_bound_tok_s = cfg.disk_bytes_per_s.filter(|_| pred > 0.0).map(|bw| bw / pred);
+                ours.row.predicted_bound_tok_s = cfg
+                    .disk_bytes_per_s
+                    .filter(|_| pred > 0.0)
+                    .map(|bw| bw / pred);
             }
             ours.add(&run, parsed.map(|(t, s, _)| (t, s)));
         }
@@ -288,7 +307,11 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
         if let Some(llama) = &llama {
             let mut peer = Tally::new("llama.cpp", cap);
             for (i, p) in cfg.prompts.iter().enumerate() {
-                progress(&format!("llama.cpp at {} MB, prompt {}", cap / 1_000_000, i + 1));
+                progress(&format!(
+                    "llama.cpp at {} MB, prompt {}",
+                    cap / 1_000_000,
+                    i + 1
+                ));
                 let mut cmd = llama.command(&cfg.gguf, p, cfg.tokens, cfg.context, cfg.threads);
                 let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
                 let parsed = peer::parse_timings(&run.stderr);

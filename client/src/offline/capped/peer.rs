@@ -76,6 +76,9 @@ llama_perf_context_print: prompt eval time =      35.10 ms /     6 tokens (    5
 llama_perf_context_print:        eval time =     640.00 ms /    31 runs   (   20.65 ms per token,    48.44 tokens per second)
 ";
         assert_eq!(parse_timings(err), Some((31, 0.64)));
-        assert_eq!(parse_timings("llama_perf_context_print: prompt eval time = 1 ms / 2 tokens"), None);
+        assert_eq!(
+            parse_timings("llama_perf_context_print: prompt eval time = 1 ms / 2 tokens"),
+            None
+        );
     }
 }

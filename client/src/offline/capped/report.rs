@@ -13,12 +13,21 @@ fn mb(b: u64) -> String {
 /// The rows as an aligned table, with LeanStream ÷ llama.cpp at each cap.
 pub fn table(rows: &[CappedRow]) -> String {
     let header = [
-        "cap MB", "engine", "outcome", "tok/s", "× llama", "peak MiB", "read/tok MiB",
-        "plan read/tok MiB", "plan bound tok/s",
+        "cap MB",
+        "engine",
+        "outcome",
+        "tok/s",
+        "× llama",
+        "peak MiB",
+        "read/tok MiB",
+        "plan read/tok MiB",
+        "plan bound tok/s",
     ];
     let peer_tps = |cap: u64| {
         rows.iter()
-            .find(|r| r.engine == "llama.cpp" && r.cap_bytes == cap && r.outcome == Outcome::Completed)
+            .find(|r| {
+                r.engine == "llama.cpp" && r.cap_bytes == cap && r.outcome == Outcome::Completed
+            })
             .map(|r| r.decode_tokens_per_s)
     };
     let cells: Vec<Vec<String>> = rows
@@ -34,20 +43,34 @@ pub fn table(rows: &[CappedRow]) -> String {
                 format!("{:?}", r.outcome).to_lowercase(),
                 format!("{:.2}", r.decode_tokens_per_s),
                 ratio,
-                r.peak_cgroup_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
+                r.peak_cgroup_bytes.map_or("-".into(), |b| {
+                    format!("{:.1}", b as f64 / (1 << 20) as f64)
+                }),
                 format!("{:.1}", r.read_bytes_per_token / (1 << 20) as f64),
                 r.predicted_read_bytes_per_token
                     .map_or("-".into(), |b| format!("{:.1}", b / (1 << 20) as f64)),
-                r.predicted_bound_tok_s.map_or("-".into(), |t| format!("{t:.1}")),
+                r.predicted_bound_tok_s
+                    .map_or("-".into(), |t| format!("{t:.1}")),
             ]
         })
         .collect();
     let widths: Vec<usize> = (0..header.len())
-        .map(|i| cells.iter().map(|c| c[i].len()).chain([header[i].len()]).max().unwrap_or(0))
+        .map(|i| {
+            cells
+                .iter()
+                .map(|c| c[i].len())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut s = String::new();
     let line = |s: &mut String, c: &[String]| {
-        let parts: Vec<String> = c.iter().zip(&widths).map(|(v, w)| format!("{v:>w$}")).collect();
+        let parts: Vec<String> = c
+            .iter()
+            .zip(&widths)
+            .map(|(v, w)| format!("{v:>w$}"))
+            .collect();
         let _ = writeln!(s, "{}", parts.join("  "));
     };
     line(&mut s, &header.map(String::from));
@@ -71,29 +94,86 @@ pub fn svg(rows: &[CappedRow], title: &str) -> String {
         *caps.iter().min().unwrap_or(&0) as f64,
         *caps.iter().max().unwrap_or(&1) as f64,
     );
-    let tps: Vec<f64> = rows.iter().map(|r| r.decode_tokens_per_s).filter(|t| *t > 0.0).collect();
-    let lo = tps.iter().cloned().fold(f64::INFINITY, f64::min).min(1.0).log10().floor() - 0.0;
-    let hi = tps.iter().cloned().fold(1.0, f64::max).log10().ceil().max(lo + 1.0);
+    let tps: Vec<f64> = rows
+        .iter()
+        .map(|r| r.decode_tokens_per_s)
+        .filter(|t| *t > 0.0)
+        .collect();
+    let lo = tps
+        .iter()
+        .cloned()
+        .fold(f64::INFINITY, f64::min)
+        .min(1.0)
+        .log10()
+        .floor()
+        - 0.0;
+    let hi = tps
+        .iter()
+        .cloned()
+        .fold(1.0, f64::max)
+        .log10()
+        .ceil()
+        .max(lo + 1.0);
     let x = |c: f64| left + (c - cmin) / (cmax - cmin).max(1.0) * (w - left - right);
-    let y = |t: f64| h - bottom - (t.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * (h - top - bottom);
+    let y =
+        |t: f64| h - bottom - (t.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * (h - top - bottom);
     let mut s = String::new();
-    let _ = writeln!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
-    let _ = writeln!(s, r#"<text x="{left}" y="20" font-size="14">{}</text>"#, escape(title));
-    let _ = writeln!(s, r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#, h - bottom, w - right, h - bottom);
-    let _ = writeln!(s, r#"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>"#, h - bottom);
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{left}" y="20" font-size="14">{}</text>"#,
+        escape(title)
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
+        h - bottom,
+        w - right,
+        h - bottom
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>"#,
+        h - bottom
+    );
     for e in (lo as i32)..=(hi as i32) {
         let t = 10f64.powi(e);
-        let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#, left - 6.0, y(t) + 4.0, t);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+            left - 6.0,
+            y(t) + 4.0,
+            t
+        );
     }
     let mut seen = Vec::new();
     for &c in &caps {
         if !seen.contains(&c) {
             seen.push(c);
-            let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, x(c as f64), h - bottom + 16.0, mb(c));
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+                x(c as f64),
+                h - bottom + 16.0,
+                mb(c)
+            );
         }
     }
-    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">memory cap (MB)</text>"#, (left + w - right) / 2.0, h - 12.0);
-    let _ = writeln!(s, r#"<text x="14" y="{}" transform="rotate(-90 14 {})" text-anchor="middle">decode tokens/s</text>"#, h / 2.0, h / 2.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">memory cap (MB)</text>"#,
+        (left + w - right) / 2.0,
+        h - 12.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="14" y="{}" transform="rotate(-90 14 {})" text-anchor="middle">decode tokens/s</text>"#,
+        h / 2.0,
+        h / 2.0
+    );
     let colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
     let mut engines: Vec<&str> = Vec::new();
     for r in rows {
@@ -108,27 +188,57 @@ pub fn svg(rows: &[CappedRow], title: &str) -> String {
         let line: Vec<String> = pts
             .iter()
             .filter(|r| r.outcome == Outcome::Completed)
-            .map(|r| format!("{:.1},{:.1}", x(r.cap_bytes as f64), y(r.decode_tokens_per_s)))
+            .map(|r| {
+                format!(
+                    "{:.1},{:.1}",
+                    x(r.cap_bytes as f64),
+                    y(r.decode_tokens_per_s)
+                )
+            })
             .collect();
-        let _ = writeln!(s, r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#, line.join(" "));
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
+            line.join(" ")
+        );
         for r in &pts {
             let (px, py) = (x(r.cap_bytes as f64), y(r.decode_tokens_per_s));
             if r.outcome == Outcome::Completed {
-                let _ = writeln!(s, r#"<circle cx="{px:.1}" cy="{py:.1}" r="3" fill="{colour}"/>"#);
+                let _ = writeln!(
+                    s,
+                    r#"<circle cx="{px:.1}" cy="{py:.1}" r="3" fill="{colour}"/>"#
+                );
             } else {
-                let _ = writeln!(s, r#"<text x="{px:.1}" y="{:.1}" fill="{colour}" text-anchor="middle">×</text>"#, h - bottom - 4.0);
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{px:.1}" y="{:.1}" fill="{colour}" text-anchor="middle">×</text>"#,
+                    h - bottom - 4.0
+                );
             }
         }
         let ly = top + 20.0 * i as f64;
-        let _ = writeln!(s, r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="2"/>"#, w - right + 10.0, w - right + 30.0);
-        let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, w - right + 36.0, ly + 4.0, escape(e));
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{colour}" stroke-width="2"/>"#,
+            w - right + 10.0,
+            w - right + 30.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}">{}</text>"#,
+            w - right + 36.0,
+            ly + 4.0,
+            escape(e)
+        );
     }
     s.push_str("</svg>\n");
     s
 }
 
 fn escape(t: &str) -> String {
-    t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    t.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 #[cfg(test)]

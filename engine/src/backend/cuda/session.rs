@@ -148,6 +148,14 @@ impl CudaModel {
     /// decoding), to the device behind `gpu`. Without the FFN only
     /// [`CudaSession::forward_with`] runs: the streaming pipeline brings the FFN.
     pub fn new(gpu: Arc<CudaBackend>, model: Arc<Model>, with_ffn: bool) -> Result<CudaModel> {
+        if model.plan().is_some_and(|p| p.streams()) {
+            return Err(Error::InvalidArgument {
+                arg: "backend",
+                reason: "the CUDA backend uploads every weight; a memory plan that streams \
+                         weights from storage runs on the CPU (--backend cpu)"
+                    .into(),
+            });
+        }
         gpu.bind()?;
         let w = &model.weights;
         let c = &w.config;
