@@ -61,7 +61,7 @@ struct Lane {
     worker: Option<JoinHandle<()>>,
 }
 
-/// Reader threads (lanes); unit `u` is read by lane `u % LANES`. One: on the development VM's
+/// Reader threads (lanes, at most one per unit); unit `u` is read by lane `u % lanes`. One: on the development VM's
 /// disk two units in flight at once (each in [`READERS`] requests) read slower than one
 /// (SmolLM2 at a 59 MB cap: 7.6 against 8.5 tok/s); a board's NVMe may want two.
 pub const LANES: usize = 1;
@@ -125,8 +125,9 @@ impl WeightStream {
         let row = AlignedBuf::zeroed(max_row_bytes.next_multiple_of(PAGE) + PAGE)
             .map_err(os("allocating the embedding row buffer".into()))?;
         let mut lanes = Vec::new();
-        for lane in 0..LANES.min(units.len()) {
-            let mine: Vec<Unit> = units.iter().skip(lane).step_by(LANES).cloned().collect();
+        let n_lanes = LANES.min(units.len());
+        for lane in 0..n_lanes {
+            let mine: Vec<Unit> = units.iter().skip(lane).step_by(n_lanes).cloned().collect();
             let (cmd, cmd_rx) = mpsc::channel();
             let (filled_tx, filled) = mpsc::channel();
             let mut free = Vec::with_capacity(SLOTS_PER_LANE);
@@ -183,8 +184,8 @@ impl WeightStream {
 
     /// Waits for unit `unit` (an index into [`WeightStream::units`]) and leases its slot.
     pub fn acquire(&self, unit: usize) -> Result<Lease<'_>> {
-        let lane = &self.lanes[unit % LANES];
-        let local = unit / LANES;
+        let lane = &self.lanes[unit % self.lanes.len()];
+        let local = unit / self.lanes.len();
         let t = Instant::now();
         let mut wasted = 0;
         let mut guard = lock(&lane.filled);
@@ -348,13 +349,10 @@ fn read_unit(reader: &dyn ReadAt, unit: &Unit, slot: &mut [u8]) -> std::io::Resu
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))
-            })
-            .collect::<std::io::Result<()>>()
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))
+        })
     })
 }
 

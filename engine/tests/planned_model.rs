@@ -68,6 +68,9 @@ fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
     }
 }
 
+/// A predicate on the placement a plan chose.
+type Shape<'a> = Box<dyn Fn(&Plan) -> bool + 'a>;
+
 fn check_file(path: &Path) {
     let full = Model::load(path).unwrap();
     let expected = logits(&full);
@@ -78,7 +81,7 @@ fn check_file(path: &Path) {
             .count()
     };
     let n_layers = full.weights.layers.len();
-    let shapes: [(&str, Box<dyn Fn(&Plan) -> bool>); 3] = [
+    let shapes: [(&str, Shape<'_>); 3] = [
         (
             "everything streams",
             Box::new(|p| p.head == Placement::Streamed && streamed(p) == n_layers),

@@ -223,7 +223,7 @@ pub fn map_range(path: &Path, offset: u64, len: u64) -> Result<TensorBytes> {
 
 /// Reads a whole file into memory the process owns (see the module docs).
 pub fn read_file(path: &Path) -> Result<TensorBytes> {
-    read_ranges(path, &[0..u64::MAX])
+    read_ranges(path, std::slice::from_ref(&(0..u64::MAX)))
 }
 
 /// Reads only `ranges` of a file into an image of its whole length, the rest left as untouched
