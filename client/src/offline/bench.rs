@@ -237,6 +237,17 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
             &opts,
         )?)
     };
+    // The children read the held-out text from a file: the one given, or the shipped one.
+    let shipped =
+        std::env::temp_dir().join(format!("leanstream-heldout-{}.txt", std::process::id()));
+    let heldout = match &args.heldout {
+        Some(p) => p.clone(),
+        None => {
+            std::fs::write(&shipped, DEFAULT_HELDOUT)
+                .with_context(|| format!("writing {}", shipped.display()))?;
+            shipped.clone()
+        }
+    };
     let cfg = capped::CappedConfig {
         model: args.model.clone(),
         gguf,
@@ -251,8 +262,12 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
         peer_llama: args.peer_llama.clone(),
         row_timeout: std::time::Duration::from_secs(args.row_timeout),
         disk_bytes_per_s: disk.as_ref().map(|d| d.bytes_per_s),
+        heldout,
+        heldout_tokens: args.heldout_tokens,
     };
-    let rows = capped::run(&cfg, &mut |what| eprintln!("{what}"))?;
+    let rows = capped::run(&cfg, &mut |what| eprintln!("{what}"));
+    let _ = std::fs::remove_file(&shipped);
+    let rows = rows?;
     print!("{}", capped::table(&rows));
     if let Some(d) = &disk {
         println!(

@@ -33,6 +33,13 @@ pub struct PerplexityArgs {
     pub threads: usize,
     #[arg(long)]
     pub json: bool,
+    /// Score at most this many tokens of the file (0 = all of it).
+    #[arg(long, default_value_t = 0)]
+    pub tokens: usize,
+    /// Run inside this many bytes (e.g. `60MB`): the memory planner streams what does not fit,
+    /// as for `run --memory-budget`; planned for one session of `--window` tokens.
+    #[arg(long, value_parser = super::parse_size)]
+    pub memory_budget: Option<u64>,
 }
 
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
@@ -41,8 +48,14 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let text = String::from_utf8(text)
         .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", args.file.display()))?;
-    let model = Model::load(&args.model)?;
-    let ids = model.tokenizer.encode(&text)?;
+    let model = match args.memory_budget {
+        Some(b) => Model::load_within(&args.model, b, args.window.max(2), args.kv_type)?,
+        None => Model::load(&args.model)?,
+    };
+    let mut ids = model.tokenizer.encode(&text)?;
+    if args.tokens > 0 {
+        ids.truncate(args.tokens);
+    }
     if ids.len() < 2 {
         anyhow::bail!(
             "{}: needs at least 2 tokens to score, has {}",

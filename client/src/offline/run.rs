@@ -104,12 +104,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let prompt_ids = model.tokenizer.encode(&text)?;
-    let context = args.context.unwrap_or(if args.memory_budget.is_some() {
-        super::PLANNED_CONTEXT
-    } else {
-        4096
+    // A context given is checked by the session; the default is clipped to the model's.
+    let context = args.context.unwrap_or_else(|| {
+        let default = if args.memory_budget.is_some() {
+            super::PLANNED_CONTEXT
+        } else {
+            4096
+        };
+        default.min(model.weights.config.context_length)
     });
-    let context = context.min(model.weights.config.context_length);
     let backend = super::resolve_backend(args.backend)?;
     let mut session = open_decoder(
         backend,

@@ -74,6 +74,10 @@ pub struct CappedConfig {
     pub row_timeout: Duration,
     /// The disk's O_DIRECT read bandwidth, for the predicted storage-bound tokens/s.
     pub disk_bytes_per_s: Option<f64>,
+    /// Held-out text scored under each cap (`leanstream perplexity`), and how many of its
+    /// tokens; 0 skips the scoring.
+    pub heldout: PathBuf,
+    pub heldout_tokens: usize,
 }
 
 /// How a row's child ended.
@@ -101,6 +105,8 @@ pub struct CappedRow {
     /// The plan's storage-bound tokens/s at the measured disk bandwidth (LeanStream only).
     pub predicted_bound_tok_s: Option<f64>,
     pub tokens_decoded: u64,
+    /// Held-out perplexity under the cap ÷ the fully loaded model's, less 1 (LeanStream only).
+    pub nll_delta: Option<f64>,
     /// What went wrong, when not completed (the child's last stderr line).
     pub note: Option<String>,
 }
@@ -198,6 +204,7 @@ impl Tally {
                 predicted_read_bytes_per_token: None,
                 predicted_bound_tok_s: None,
                 tokens_decoded: 0,
+                nll_delta: None,
                 note: None,
             },
             decode_s: 0.0,
@@ -258,6 +265,27 @@ fn leanstream_command(cfg: &CappedConfig, cap: u64, prompt: &str) -> anyhow::Res
     Ok(cmd)
 }
 
+/// `leanstream perplexity` of the held-out text, under `budget` when given.
+fn perplexity_command(cfg: &CappedConfig, budget: Option<u64>) -> anyhow::Result<Command> {
+    let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
+    cmd.args(["perplexity", "--json", "--model"])
+        .arg(&cfg.model)
+        .arg("--file")
+        .arg(&cfg.heldout)
+        .args(["--tokens", &cfg.heldout_tokens.to_string()])
+        .args(["--window", &cfg.context.to_string()])
+        .args(["--threads", &cfg.threads.to_string()]);
+    if let Some(b) = budget {
+        cmd.args(["--memory-budget", &b.to_string()]);
+    }
+    Ok(cmd)
+}
+
+fn parse_ppl(stdout: &str) -> Option<f64> {
+    let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+    serde_json::from_str::<serde_json::Value>(line).ok()?["ppl"].as_f64()
+}
+
 /// (decoded tokens, decode seconds, plan's bytes per token) from `leanstream run --json`.
 fn parse_leanstream(stdout: &str) -> Option<(u64, f64, Option<f64>)> {
     let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
@@ -282,6 +310,23 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
         Some(dir) => Some(peer::Llama::find(dir)?),
         None => None,
     };
+    let scoring = cfg.heldout_tokens > 1;
+    let reference_ppl = if scoring {
+        progress("held-out perplexity of the fully loaded model (the reference)");
+        let out = perplexity_command(cfg, None)?
+            .output()
+            .context("running leanstream perplexity")?;
+        let ppl = parse_ppl(&String::from_utf8_lossy(&out.stdout));
+        if ppl.is_none() {
+            bail!(
+                "the reference perplexity failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        ppl
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for &cap in &cfg.caps {
         let cap = cap.bytes(reference);
@@ -302,6 +347,18 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
                     .map(|bw| bw / pred);
             }
             ours.add(&run, parsed.map(|(t, s, _)| (t, s)));
+        }
+        if let Some(reference) = reference_ppl {
+            progress(&format!(
+                "leanstream at {} MB, held-out perplexity",
+                cap / 1_000_000
+            ));
+            let run = run_capped(
+                &mut perplexity_command(cfg, Some(cap))?,
+                cap,
+                cfg.row_timeout,
+            )?;
+            ours.row.nll_delta = parse_ppl(&run.stdout).map(|p| p / reference - 1.0);
         }
         rows.push(ours.finish());
         if let Some(llama) = &llama {

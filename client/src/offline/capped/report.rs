@@ -256,6 +256,7 @@ mod tests {
             predicted_read_bytes_per_token: None,
             predicted_bound_tok_s: None,
             tokens_decoded: 10,
+            nll_delta: None,
             note: None,
         }
     }
