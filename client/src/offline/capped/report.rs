@@ -22,6 +22,7 @@ pub fn table(rows: &[CappedRow]) -> String {
         "read/tok MiB",
         "plan read/tok MiB",
         "plan bound tok/s",
+        "nll Δ",
     ];
     let peer_tps = |cap: u64| {
         rows.iter()
@@ -51,6 +52,8 @@ pub fn table(rows: &[CappedRow]) -> String {
                     .map_or("-".into(), |b| format!("{:.1}", b / (1 << 20) as f64)),
                 r.predicted_bound_tok_s
                     .map_or("-".into(), |t| format!("{t:.1}")),
+                r.nll_delta
+                    .map_or("-".into(), |d| format!("{:+.2}%", d * 100.0)),
             ]
         })
         .collect();
@@ -269,7 +272,13 @@ mod tests {
             row("leanstream", 40_000_000, 9.0, Outcome::Completed),
             row("llama.cpp", 40_000_000, 0.0, Outcome::Killed),
         ];
+        let mut rows = rows;
+        rows[0].nll_delta = Some(0.0125);
         let t = table(&rows);
+        assert!(
+            t.lines().nth(1).is_some_and(|l| l.ends_with("+1.25%")),
+            "{t}"
+        );
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[1].contains("10.0"), "{t}");
         assert!(lines[3].split_whitespace().nth(4) == Some("-"), "{t}");
