@@ -443,3 +443,64 @@ fn backend_choice_is_reported_and_cuda_without_the_feature_is_refused() {
     let err = err_text(&["run", "--model", m, "--prompt", "Hi", "--backend", "gpu"]);
     assert!(err.contains("auto, cpu, cuda"), "{err}");
 }
+
+#[test]
+fn a_memory_budget_streams_weights_and_gives_the_same_greedy_ids() {
+    let m = real_gguf();
+    let m = m.to_str().unwrap();
+    let args = |budget: Option<&'static str>| {
+        let mut a: Vec<&str> = vec![
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "Once upon a time, there was a little",
+            "--max-tokens",
+            "16",
+            "--context",
+            "64",
+            "--json",
+        ];
+        if let Some(b) = budget {
+            a.extend(["--memory-budget", b]);
+        }
+        a
+    };
+    let full = ok_json(&args(None));
+    let planned = ok_json(&args(Some("50MB")));
+    assert_eq!(ids(&planned["ids"]), ids(&full["ids"]));
+    let plan = &planned["plan"];
+    assert!(
+        plan["planned_bytes"].as_u64().unwrap() <= 50_000_000,
+        "{plan}"
+    );
+    assert!(plan["streamed_layers"].as_u64().unwrap() > 0, "{plan}");
+    assert_eq!(
+        plan["head"], "streamed",
+        "50 MB cannot keep the 30 MB head and the floor"
+    );
+    assert!(planned["stream"]["bytes_read"].as_u64().unwrap() > 0);
+    assert!(full["plan"].is_null());
+
+    let out = leanstream(&["plan", "--model", m, "--budget", "50MB", "--context", "64"]);
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("streamed") && table.contains("read per token"),
+        "{table}"
+    );
+
+    let err = err_text(&[
+        "run",
+        "--model",
+        m,
+        "--prompt",
+        "hi",
+        "--memory-budget",
+        "8MB",
+    ]);
+    assert!(
+        err.contains("runtime") && err.contains("tokenizer"),
+        "{err}"
+    );
+}
