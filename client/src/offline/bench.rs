@@ -269,6 +269,7 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&shipped);
     let rows = rows?;
     print!("{}", capped::table(&rows));
+    print!("{}", capped::floors(&rows));
     if let Some(d) = &disk {
         println!(
             "disk: {:.0} MB/s (O_DIRECT, 512 KiB reads, {} in flight, on {}); plan bound tok/s = disk MB/s / plan read/tok",

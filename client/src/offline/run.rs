@@ -184,6 +184,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "budget_bytes": p.budget,
                 "planned_bytes": p.planned_bytes(),
                 "floor_bytes": p.floor.total(),
+                "floor": {
+                    "runtime": p.floor.runtime,
+                    "tokenizer": p.floor.tokenizer,
+                    "tables": p.floor.tables,
+                    "session": p.floor.session,
+                    "ring": p.floor.ring,
+                },
                 "resident_weight_bytes": p.resident_bytes,
                 "streamed_bytes_per_token": p.streamed_bytes_per_token(),
                 "streamed_layers": p.units.iter().filter(|u| matches!(u.kind, leanstream_engine::plan::UnitKind::Layer(_))).count(),

@@ -107,6 +107,10 @@ pub struct CappedRow {
     pub tokens_decoded: u64,
     /// Held-out perplexity under the cap ÷ the fully loaded model's, less 1 (LeanStream only).
     pub nll_delta: Option<f64>,
+    /// The plan's floor by part (runtime, tokenizer, tables, session, ring) and its resident
+    /// weights, in bytes (LeanStream only).
+    pub plan_floor: Option<serde_json::Value>,
+    pub plan_resident_bytes: Option<u64>,
     /// What went wrong, when not completed (the child's last stderr line).
     pub note: Option<String>,
 }
@@ -205,6 +209,8 @@ impl Tally {
                 predicted_bound_tok_s: None,
                 tokens_decoded: 0,
                 nll_delta: None,
+                plan_floor: None,
+                plan_resident_bytes: None,
                 note: None,
             },
             decode_s: 0.0,
@@ -286,10 +292,15 @@ fn parse_ppl(stdout: &str) -> Option<f64> {
     serde_json::from_str::<serde_json::Value>(line).ok()?["ppl"].as_f64()
 }
 
+/// The `leanstream run --json` object a child printed.
+fn run_json(stdout: &str) -> Option<serde_json::Value> {
+    let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
+    serde_json::from_str(line).ok()
+}
+
 /// (decoded tokens, decode seconds, plan's bytes per token) from `leanstream run --json`.
 fn parse_leanstream(stdout: &str) -> Option<(u64, f64, Option<f64>)> {
-    let line = stdout.lines().rev().find(|l| l.starts_with('{'))?;
-    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    let v = run_json(stdout)?;
     let s = &v["stats"];
     // The first generated token comes from the prefill; decode is the rest.
     let tokens = s["generated_tokens"].as_u64()?.saturating_sub(1);
@@ -339,6 +350,10 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
             ));
             let run = run_capped(&mut leanstream_command(cfg, cap, p)?, cap, cfg.row_timeout)?;
             let parsed = parse_leanstream(&run.stdout);
+            if let Some(plan) = run_json(&run.stdout).map(|v| v["plan"].clone()) {
+                ours.row.plan_floor = Some(plan["floor"].clone()).filter(|f| !f.is_null());
+                ours.row.plan_resident_bytes = plan["resident_weight_bytes"].as_u64();
+            }
             if let Some((_, _, Some(pred))) = parsed {
                 ours.row.predicted_read_bytes_per_token = Some(pred);
                 ours.row.predicted_bound_tok_s = cfg
@@ -380,7 +395,7 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
     Ok(rows)
 }
 
-pub use report::{json, svg, table};
+pub use report::{floors, json, svg, table};
 
 /// Where `leanstream` looks for llama.cpp when `--peer-llama` is a build directory.
 pub fn bin_dir(dir: &Path) -> PathBuf {

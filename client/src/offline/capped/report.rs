@@ -83,6 +83,29 @@ pub fn table(rows: &[CappedRow]) -> String {
     s
 }
 
+/// What LeanStream's plan held besides streamed weights at each cap: the floor by part and
+/// the resident weights, in MiB.
+pub fn floors(rows: &[CappedRow]) -> String {
+    let mut s = String::new();
+    let part =
+        |f: &serde_json::Value, k: &str| f[k].as_u64().unwrap_or(0) as f64 / (1 << 20) as f64;
+    for r in rows.iter().filter(|r| r.plan_floor.is_some()) {
+        let f = r.plan_floor.as_ref().expect("filtered");
+        let _ = writeln!(
+            s,
+            "plan at {} MB: runtime {:.1} + tokenizer {:.1} + tables {:.1} + session and KV {:.1} + ring {:.1} MiB, resident weights {:.1} MiB",
+            mb(r.cap_bytes),
+            part(f, "runtime"),
+            part(f, "tokenizer"),
+            part(f, "tables"),
+            part(f, "session"),
+            part(f, "ring"),
+            r.plan_resident_bytes.unwrap_or(0) as f64 / (1 << 20) as f64,
+        );
+    }
+    s
+}
+
 /// The rows as pretty JSON.
 pub fn json(rows: &[CappedRow]) -> String {
     serde_json::to_string_pretty(rows).unwrap_or_else(|_| "[]".into())
@@ -260,6 +283,8 @@ mod tests {
             predicted_bound_tok_s: None,
             tokens_decoded: 10,
             nll_delta: None,
+            plan_floor: None,
+            plan_resident_bytes: None,
             note: None,
         }
     }
