@@ -31,6 +31,7 @@ pub mod predict;
 pub mod quant;
 pub mod reference;
 pub mod sample;
+pub mod sparsity;
 pub mod stream;
 pub mod testing;
 pub mod tokenizer;

@@ -239,7 +239,7 @@ impl TestLayer {
         for &c in list {
             for n in self.layout.neurons(c) {
                 let a = act.apply(dot(&self.gate[n], x)) * dot(&self.up[n], x);
-                if a != 0.0 && a.abs() >= threshold {
+                if crate::sparsity::is_active(a, threshold) {
                     out.iter_mut()
                         .zip(&self.down[n])
                         .for_each(|(o, d)| *o += a * d);
@@ -292,7 +292,9 @@ pub fn ffn_chunks(b: &dyn KernelOps) {
             );
             if threshold > 0.0 {
                 assert!(
-                    got.h.iter().all(|&a| a == 0.0 || a.abs() >= threshold),
+                    got.h
+                        .iter()
+                        .all(|&a| a == 0.0 || crate::sparsity::is_active(a, threshold)),
                     "{}: {what}: a neuron under the threshold was kept",
                     b.name()
                 );

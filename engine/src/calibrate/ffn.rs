@@ -80,7 +80,7 @@ impl DenseFfn {
     }
 }
 
-/// The dense FFN, with `h_i` zeroed where `|h_i| <= thresholds[l]` when thresholds are given
+/// The dense FFN, with `h_i` zeroed where it is not active at `thresholds[l]` ([`crate::sparsity::is_active`]) when thresholds are given
 /// (TEAL-style magnitude sparsity). Counts how many activations it zeroed.
 #[derive(Debug)]
 pub struct Thresholded {
@@ -109,7 +109,7 @@ impl FfnExecutor for Thresholded {
         if let Some(t) = &self.thresholds {
             let thr = t[l];
             for h in self.ffn.h.iter_mut() {
-                if h.abs() <= thr {
+                if !crate::sparsity::is_active(*h, thr) {
                     *h = 0.0;
                     self.zeroed += 1;
                 }

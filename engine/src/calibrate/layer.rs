@@ -56,7 +56,7 @@ pub(crate) fn threshold(h: &[f32], sparsity: f32) -> f32 {
 /// Per-neuron statistics of one layer over the calibration tokens.
 #[derive(Debug)]
 pub(crate) struct NeuronStats {
-    /// Fraction of tokens with `|h| > threshold`.
+    /// Fraction of tokens on which the neuron is active ([`crate::sparsity::is_active`]).
     pub freq: Vec<f32>,
     pub mean_abs_h: Vec<f32>,
     pub mean_abs_u: Vec<f32>,
@@ -71,7 +71,7 @@ pub(crate) fn neuron_stats(h: &[f32], abs_u: &[f32], n_ff: usize, thr: f32) -> N
     };
     for (hr, ur) in h.chunks_exact(n_ff).zip(abs_u.chunks_exact(n_ff)) {
         for i in 0..n_ff {
-            s.freq[i] += f32::from(u8::from(hr[i].abs() > thr));
+            s.freq[i] += f32::from(u8::from(crate::sparsity::is_active(hr[i], thr)));
             s.mean_abs_h[i] += hr[i].abs();
             s.mean_abs_u[i] += ur[i];
         }
@@ -86,7 +86,7 @@ pub(crate) fn neuron_stats(h: &[f32], abs_u: &[f32], n_ff: usize, thr: f32) -> N
 pub(crate) fn active_matrix(h: &[f32], n_ff: usize, thr: f32) -> DMatrix<f32> {
     let n = h.len() / n_ff;
     DMatrix::from_fn(n, n_ff, |t, i| {
-        f32::from(u8::from(h[t * n_ff + i].abs() > thr))
+        f32::from(u8::from(crate::sparsity::is_active(h[t * n_ff + i], thr)))
     })
 }
 
@@ -109,7 +109,7 @@ impl Recorded<'_> {
 }
 
 /// Score cut-off of predictor `p` on layer `l` reaching `recall` of the neurons active
-/// (`|h| > thr`) in the recorded tokens.
+/// ([`crate::sparsity::is_active`] at `thr`) in the recorded tokens.
 pub(crate) fn cutoff(p: &dyn Predictor, l: usize, r: Recorded<'_>, thr: f32, recall: f32) -> f32 {
     let mut scratch = p.scratch();
     let mut scores = vec![0f32; r.n_ff];
@@ -120,7 +120,7 @@ pub(crate) fn cutoff(p: &dyn Predictor, l: usize, r: Recorded<'_>, thr: f32, rec
             scores
                 .iter()
                 .zip(hr)
-                .filter(|(_, h)| h.abs() > thr)
+                .filter(|(_, h)| crate::sparsity::is_active(**h, thr))
                 .map(|(s, _)| *s),
         );
     }
@@ -144,7 +144,7 @@ pub(crate) fn measure(
         let t0 = Instant::now();
         p.score(l, x, &mut scratch, &mut scores);
         spent += t0.elapsed();
-        counter.add(&scores, cutoff, |i| hr[i].abs() > thr);
+        counter.add(&scores, cutoff, |i| crate::sparsity::is_active(hr[i], thr));
     }
     spent
 }

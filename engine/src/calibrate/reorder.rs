@@ -16,7 +16,7 @@ pub fn by_frequency(freq: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// Sum over the tokens of `h` (`(tokens, n_ff)`) of the number of chunks of `chunk_neurons` that
-/// hold at least one active neuron (`|h| > thr`), with neurons laid out in `order` (new position
+/// hold at least one active neuron ([`crate::sparsity::is_active`] at `thr`), with neurons laid out in `order` (new position
 /// `k` holds neuron `order[k]`; `None` keeps the current order).
 pub fn chunks_touched(
     h: &[f32],
@@ -36,7 +36,7 @@ pub fn chunks_touched(
     for row in h.chunks_exact(n_ff) {
         seen.fill(false);
         for (i, v) in row.iter().enumerate() {
-            if v.abs() > thr {
+            if crate::sparsity::is_active(*v, thr) {
                 seen[pos[i] / chunk_neurons] = true;
             }
         }

@@ -45,7 +45,7 @@ impl ChunkMath<'_> {
                 None => (k.dot(l.gate_dtype, gate, x), k.dot(l.up_dtype, up, x)),
             };
             let a = self.activation.apply(g) * u;
-            if a != 0.0 && a.abs() >= self.threshold {
+            if crate::sparsity::is_active(a, self.threshold) {
                 k.axpy(l.down_dtype, &bundle[l.down_at..], a, acc);
                 *h = a;
                 active += 1;

@@ -29,7 +29,7 @@ pub fn count(
     for (c, &m) in margins.iter().enumerate() {
         let active = h[layout.neurons(c)]
             .iter()
-            .filter(|a| **a != 0.0 && a.abs() >= threshold)
+            .filter(|a| crate::sparsity::is_active(**a, threshold))
             .count() as u64;
         stats.truth_active += active;
         if m >= 0.0 {
