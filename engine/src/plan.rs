@@ -29,9 +29,8 @@ use crate::kv::KvType;
 use crate::model::{LayerWeights, QRows, Weights};
 use crate::{Error, Result};
 
-/// Buffers of the streaming ring: [`crate::stream::LANES`] readers with
-/// [`crate::stream::SLOTS_PER_LANE`] each, so that one unit computes while the next ones read.
-pub const SLOTS: usize = crate::stream::LANES * crate::stream::SLOTS_PER_LANE;
+/// Buffers of the streaming ring (one computed, one read ahead, one being read).
+pub use crate::stream::SLOTS;
 
 /// Resident memory of the process besides anything the engine accounts: code and data pages
 /// of the binary and its libraries, thread stacks, allocator slack. Measured with `leanstream run`

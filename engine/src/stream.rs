@@ -6,10 +6,10 @@
 //! Why our own thread and not the chunk I/O pool: these reads are few (one per layer), large
 //! (megabytes), always in the same order and always needed — no priorities, no cancellation, no
 //! merging — so one thread reading ahead into a fixed ring is all it takes, and it keeps the
-//! pool's queue for the sparse chunks it was built for.
+//! pool's queue for the sparse chunks it was built for. Each unit is read in [`READERS`]
+//! concurrent requests on a small thread pool of the stream's own.
 //!
-//! The protocol, per lane (a reader thread serving every [`LANES`]-th unit with its own
-//! slots): the reader fills free slots with units `pos, pos + 1, …` (wrapping) and sends
+//! The protocol: the reader fills free slots with units `pos, pos + 1, …` (wrapping) and sends
 //! each with the `epoch` it was read in. A consumer that finds a unit other than the one it
 //! asks for (a prompt of two batches skips the head between them) starts a new epoch at the unit
 //! it wants: the reader moves there and the slots of the old epoch come back unused (counted as
@@ -21,6 +21,8 @@ use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
+
+use rayon::prelude::*;
 
 use crate::io::{AlignedBuf, PAGE, ReadAt, ReadCounters, align_down, read_exact_at};
 use crate::model::TensorBytes;
@@ -46,36 +48,29 @@ enum Cmd {
 }
 
 struct Filled {
-    /// The unit's index in its lane.
     unit: usize,
     epoch: u64,
     slot: TensorBytes,
     result: std::io::Result<()>,
 }
 
-/// One reader thread with its own slots, serving every [`LANES`]-th unit. Units of different
-/// lanes are read at the same time, so while one layer computes, the next two are in flight.
-struct Lane {
-    cmd: Sender<Cmd>,
-    filled: Mutex<(Receiver<Filled>, u64)>, // and the epoch the consumer expects
-    worker: Option<JoinHandle<()>>,
+/// What the forward pass side of the stream keeps between calls: the reader's results, the
+/// epoch it expects, the counters, and the buffer embedding rows are read into.
+struct Consumer {
+    filled: Receiver<Filled>,
+    epoch: u64,
+    stats: StreamStats,
+    row: AlignedBuf,
 }
-
-/// Reader threads (lanes, at most one per unit); unit `u` is read by lane `u % lanes`. One: on the development VM's
-/// disk two units in flight at once (each in [`READERS`] requests) read slower than one
-/// (SmolLM2 at a 59 MB cap: 7.6 against 8.5 tok/s); a board's NVMe may want two.
-pub const LANES: usize = 1;
-
-/// Slots per lane: one computed, one read ahead, one being read.
-pub const SLOTS_PER_LANE: usize = 3;
 
 /// The streaming side of a planned model. Shared by the sessions on it; one forward pass uses
 /// it at a time.
 pub struct WeightStream {
     units: Arc<Vec<Unit>>,
     reader: Arc<dyn ReadAt>,
-    lanes: Vec<Lane>,
-    stats: Mutex<(StreamStats, AlignedBuf)>, // and the embedding row buffer
+    cmd: Sender<Cmd>,
+    consumer: Mutex<Consumer>,
+    worker: Option<JoinHandle<()>>,
     slot_bytes: usize,
 }
 
@@ -84,12 +79,11 @@ impl std::fmt::Debug for WeightStream {
         f.debug_struct("WeightStream")
             .field("units", &self.units.len())
             .field("slot_bytes", &self.slot_bytes)
-            .field("lanes", &self.lanes.len())
             .finish_non_exhaustive()
     }
 }
 
-/// A unit being computed: its slot's bytes. Dropping it returns the slot to its reader; every
+/// A unit being computed: its slot's bytes. Dropping it returns the slot to the reader; every
 /// view made from [`Lease::bytes`] must be dropped first (or the slot is not refilled).
 #[derive(Debug)]
 pub struct Lease<'a> {
@@ -117,41 +111,54 @@ fn os(what: String) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 impl WeightStream {
-    /// Starts the readers of `plan`'s units from `reader` (a [`crate::io::DirectFile`] of the
-    /// model file; its alignment is honoured). Allocates the ring.
+    /// Starts the reader of `plan`'s units from `reader` (a [`crate::io::DirectFile`] of the
+    /// model file; its alignment is honoured). Allocates the ring of [`SLOTS`] slots.
     pub fn start(plan: &Plan, reader: Arc<dyn ReadAt>, max_row_bytes: usize) -> Result<Self> {
         let units = Arc::new(plan.units.clone());
         let slot_bytes = plan.slot_bytes as usize;
         let row = AlignedBuf::zeroed(max_row_bytes.next_multiple_of(PAGE) + PAGE)
             .map_err(os("allocating the embedding row buffer".into()))?;
-        let mut lanes = Vec::new();
-        let n_lanes = LANES.min(units.len());
-        for lane in 0..n_lanes {
-            let mine: Vec<Unit> = units.iter().skip(lane).step_by(n_lanes).cloned().collect();
-            let (cmd, cmd_rx) = mpsc::channel();
-            let (filled_tx, filled) = mpsc::channel();
-            let mut free = Vec::with_capacity(SLOTS_PER_LANE);
-            for _ in 0..SLOTS_PER_LANE {
+        let (cmd, cmd_rx) = mpsc::channel();
+        let (filled_tx, filled) = mpsc::channel();
+        let worker = if units.is_empty() {
+            None
+        } else {
+            let mut free = Vec::with_capacity(SLOTS);
+            for _ in 0..SLOTS {
                 let buf = AlignedBuf::zeroed(slot_bytes)
                     .map_err(os(format!("allocating a {slot_bytes}-byte stream slot")))?;
                 free.push(TensorBytes::from_aligned(buf));
             }
-            let reader = Arc::clone(&reader);
-            let worker = std::thread::Builder::new()
-                .name(format!("ls-stream-{lane}"))
-                .spawn(move || read_loop(&mine, &*reader, free, &cmd_rx, &filled_tx))
-                .map_err(os("spawning a weight stream reader".into()))?;
-            lanes.push(Lane {
-                cmd,
-                filled: Mutex::new((filled, 0)),
-                worker: Some(worker),
-            });
-        }
+            // The requests of one unit run on these threads, kept for the stream's life.
+            let requests = rayon::ThreadPoolBuilder::new()
+                .num_threads(READERS)
+                .thread_name(|i| format!("ls-stream-io-{i}"))
+                .build()
+                .map_err(|e| Error::Os {
+                    what: "starting the weight stream's I/O threads".into(),
+                    source: std::io::Error::other(e),
+                })?;
+            let (units, reader) = (Arc::clone(&units), Arc::clone(&reader));
+            Some(
+                std::thread::Builder::new()
+                    .name("ls-stream".into())
+                    .spawn(move || {
+                        read_loop(&units, &*reader, &requests, free, &cmd_rx, &filled_tx)
+                    })
+                    .map_err(os("spawning the weight stream reader".into()))?,
+            )
+        };
         Ok(WeightStream {
             units,
             reader,
-            lanes,
-            stats: Mutex::new((StreamStats::default(), row)),
+            cmd,
+            consumer: Mutex::new(Consumer {
+                filled,
+                epoch: 0,
+                stats: StreamStats::default(),
+                row,
+            }),
+            worker,
             slot_bytes,
         })
     }
@@ -161,14 +168,22 @@ impl WeightStream {
         &self.units
     }
 
-    /// Bytes of the ring (all slots of all lanes).
+    /// Bytes of the ring (0 when nothing streams).
     pub fn ring_bytes(&self) -> u64 {
-        (self.lanes.len() * SLOTS_PER_LANE * self.slot_bytes.next_multiple_of(PAGE)) as u64
+        if self.units.is_empty() {
+            0
+        } else {
+            (SLOTS * self.slot_bytes.next_multiple_of(PAGE)) as u64
+        }
     }
 
     /// Counters since the start.
     pub fn stats(&self) -> StreamStats {
-        lock(&self.stats).0
+        self.lock().stats
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Consumer> {
+        self.consumer.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn io_error(&self, e: std::io::Error) -> Error {
@@ -184,77 +199,61 @@ impl WeightStream {
 
     /// Waits for unit `unit` (an index into [`WeightStream::units`]) and leases its slot.
     pub fn acquire(&self, unit: usize) -> Result<Lease<'_>> {
-        let lane = &self.lanes[unit % self.lanes.len()];
-        let local = unit / self.lanes.len();
+        let mut c = self.lock();
         let t = Instant::now();
-        let mut wasted = 0;
-        let mut guard = lock(&lane.filled);
-        let (filled, epoch) = &mut *guard;
         let got = loop {
-            let f = filled.recv().map_err(|_| Error::Os {
+            let f = c.filled.recv().map_err(|_| Error::Os {
                 what: "the weight stream reader stopped".into(),
                 source: std::io::Error::other("reader thread gone"),
             })?;
-            if f.epoch != *epoch {
-                let _ = lane.cmd.send(Cmd::Free(f.slot));
+            if f.epoch != c.epoch {
+                let _ = self.cmd.send(Cmd::Free(f.slot));
                 continue;
             }
-            if f.unit != local {
-                wasted += 1;
-                *epoch += 1;
-                let _ = lane.cmd.send(Cmd::Free(f.slot));
-                let _ = lane.cmd.send(Cmd::Seek {
-                    unit: local,
-                    epoch: *epoch,
-                });
+            if f.unit != unit {
+                c.stats.wasted_units += 1;
+                c.epoch += 1;
+                let epoch = c.epoch;
+                let _ = self.cmd.send(Cmd::Free(f.slot));
+                let _ = self.cmd.send(Cmd::Seek { unit, epoch });
                 continue;
             }
             break f;
         };
-        drop(guard);
-        let mut st = lock(&self.stats);
-        st.0.wait_ns += t.elapsed().as_nanos() as u64;
-        st.0.wasted_units += wasted;
+        c.stats.wait_ns += t.elapsed().as_nanos() as u64;
         if let Err(e) = got.result {
-            let _ = lane.cmd.send(Cmd::Free(got.slot));
+            let _ = self.cmd.send(Cmd::Free(got.slot));
             return Err(self.io_error(e));
         }
-        st.0.bytes_read += self.units[unit].bytes();
+        c.stats.bytes_read += self.units[unit].bytes();
         Ok(Lease {
             slot: Some(got.slot),
-            cmd: &lane.cmd,
+            cmd: &self.cmd,
         })
     }
 
     /// Reads file bytes `range` (one embedding row) and hands them to `f`, synchronously.
     pub fn read_row(&self, range: std::ops::Range<u64>, f: impl FnOnce(&[u8])) -> Result<()> {
-        let mut st = lock(&self.stats);
-        let (stats, row) = &mut *st;
+        let mut c = self.lock();
         let start = align_down(range.start, PAGE as u64);
         let len = ((range.end - start) as usize).next_multiple_of(PAGE);
-        let buf = &mut row.as_mut_slice()[..len];
+        let buf = &mut c.row.as_mut_slice()[..len];
         read_to_eof(&*self.reader, buf, start, (range.end - start) as usize)
             .map_err(|e| self.io_error(e))?;
         let at = (range.start - start) as usize;
         f(&buf[at..at + (range.end - range.start) as usize]);
-        stats.row_bytes_read += len as u64;
+        c.stats.row_bytes_read += len as u64;
         Ok(())
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Drop for WeightStream {
     fn drop(&mut self) {
-        // Closing a lane's command channel stops its reader; it may first finish one read.
-        for lane in &mut self.lanes {
-            let (tx, _) = mpsc::channel();
-            drop(std::mem::replace(&mut lane.cmd, tx));
-            if let Some(w) = lane.worker.take() {
-                let _ = w.join();
-            }
+        // Closing the command channel stops the reader; it may first finish one read.
+        let (tx, _) = mpsc::channel();
+        drop(std::mem::replace(&mut self.cmd, tx));
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
         }
     }
 }
@@ -263,6 +262,7 @@ impl Drop for WeightStream {
 fn read_loop(
     units: &[Unit],
     reader: &dyn ReadAt,
+    requests: &rayon::ThreadPool,
     mut free: Vec<TensorBytes>,
     cmd: &Receiver<Cmd>,
     filled: &Sender<Filled>,
@@ -289,7 +289,7 @@ fn read_loop(
         }
         let Some(mut slot) = free.pop() else { continue };
         let result = match slot.aligned_mut() {
-            Some(buf) => read_unit(reader, &units[pos], buf.as_mut_slice()),
+            Some(buf) => read_unit(reader, requests, &units[pos], buf.as_mut_slice()),
             None => Err(std::io::Error::other("a stream slot is still in use")),
         };
         if filled
@@ -308,15 +308,23 @@ fn read_loop(
 }
 
 /// Bytes of one read request of a unit: a unit's reads are split into pieces of this size and
-/// read [`READERS`] at a time, since one request at a time leaves most of an SSD's bandwidth
-/// unused (measured on the dev VM: 1 MiB requests one at a time ~0.7 GB/s, four at a time
-/// 1.7 GB/s). With [`LANES`] units in flight, up to `LANES × READERS` requests are.
+/// read [`READERS`] at a time, since one request at a time leaves much of an SSD's bandwidth
+/// unused. Reading two units at once (each in 4 requests) measured slower on the development
+/// VM's disk than one (SmolLM2 at a 59 MB cap: 7.6 against 8.5 tok/s), so one unit is in flight.
 const PIECE_BYTES: usize = 512 << 10;
 
 /// Requests of one unit in flight at once.
 pub const READERS: usize = 4;
 
-fn read_unit(reader: &dyn ReadAt, unit: &Unit, slot: &mut [u8]) -> std::io::Result<()> {
+/// Slots of the ring: one computed, one read ahead, one being read.
+pub const SLOTS: usize = 3;
+
+fn read_unit(
+    reader: &dyn ReadAt,
+    requests: &rayon::ThreadPool,
+    unit: &Unit,
+    slot: &mut [u8],
+) -> std::io::Result<()> {
     // (slot bytes, file offset, bytes the file must hold) of every piece.
     let mut pieces: Vec<(&mut [u8], u64, usize)> = Vec::new();
     let mut rest = slot;
@@ -331,28 +339,10 @@ fn read_unit(reader: &dyn ReadAt, unit: &Unit, slot: &mut [u8]) -> std::io::Resu
             off += len as u64;
         }
     }
-    if pieces.len() == 1 {
-        let (buf, off, len) = pieces.pop().expect("one piece");
-        return read_to_eof(reader, buf, off, len);
-    }
-    // A few scoped threads share the pieces; each reads its share in file order.
-    let per = pieces.len().div_ceil(READERS);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = pieces
-            .chunks_mut(per)
-            .map(|share| {
-                scope.spawn(move || {
-                    for (buf, off, len) in share.iter_mut() {
-                        read_to_eof(reader, buf, *off, *len)?;
-                    }
-                    Ok::<(), std::io::Error>(())
-                })
-            })
-            .collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))
-        })
+    requests.install(|| {
+        pieces
+            .par_iter_mut()
+            .try_for_each(|(buf, off, need)| read_to_eof(reader, buf, *off, *need))
     })
 }
 
