@@ -203,7 +203,11 @@ impl LayerWeights {
             wv: f(&self.wv),
             wo: f(&self.wo),
             ffn: self.ffn.map(f),
-            ..self.clone()
+            attn_norm: self.attn_norm.clone(),
+            bq: self.bq.clone(),
+            bk: self.bk.clone(),
+            bv: self.bv.clone(),
+            ffn_norm: self.ffn_norm.clone(),
         }
     }
 }
@@ -339,11 +343,8 @@ impl Weights {
         rows(&self.token_embd);
         rows(&self.output);
         for l in &self.layers {
-            for q in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn.gate, &l.ffn.up] {
+            for q in l.matrices() {
                 rows(q);
-            }
-            match &l.ffn.down {
-                Down::Rows(q) | Down::Neurons(q) => rows(q),
             }
             tables += f32s(&l.attn_norm) + f32s(&l.ffn_norm);
             tables += [&l.bq, &l.bk, &l.bv]
@@ -361,16 +362,7 @@ impl Weights {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| {
-                let down = match &l.ffn.down {
-                    Down::Rows(m) | Down::Neurons(m) => m.stored_bytes(),
-                };
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn.gate, &l.ffn.up]
-                    .iter()
-                    .map(|m| m.stored_bytes())
-                    .sum::<usize>()
-                    + down
-            })
+            .map(|l| l.matrices().iter().map(|m| m.stored_bytes()).sum::<usize>())
             .sum();
         layers + self.output.stored_bytes() + self.token_embd.row_bytes()
     }
