@@ -103,11 +103,6 @@ pub struct Floor {
     pub ring: u64,
 }
 
-impl Floor {
-    pub fn total(&self) -> u64 {
-        self.runtime + self.tokenizer + self.tables + self.session + self.ring
-    }
-}
 
 /// Where every weight of a model goes under a budget, and what it costs per token.
 #[derive(Clone, Debug)]
@@ -179,6 +174,11 @@ fn spread(n: usize, k: usize) -> Vec<bool> {
 }
 
 impl Floor {
+    /// Every part together.
+    pub fn total(&self) -> u64 {
+        self.runtime + self.tokenizer + self.tables + self.session + self.ring
+    }
+
     /// The floor of serving `model` with one session of `context` tokens in `kv`, without the
     /// ring.
     pub fn of(model: &Model, context: usize, kv: KvType) -> Floor {
@@ -193,9 +193,7 @@ impl Floor {
             ring: 0,
         }
     }
-}
 
-impl Floor {
     /// The floor of the model alone (tokenizer, tables; the ring is added by the plan): for a
     /// caller that accounts the runtime and the sessions itself (the daemon).
     pub fn model_only(model: &Model) -> Floor {
@@ -290,17 +288,10 @@ impl Plan {
         } else {
             self.head = Placement::Streamed;
         }
-        // As many layers as fit, spread evenly; the rest stream.
-        let mut k = 0;
-        let mut by_size: Vec<u64> = layer_reads.iter().map(|r| total(r)).collect();
-        by_size.sort_unstable();
-        for b in by_size {
-            if b > room {
-                break;
-            }
-            room -= b;
-            k += 1;
-        }
+        // As many layers as fit, spread evenly; the rest stream. Counted at the largest layer's
+        // size, so that whichever layers the spread picks fit (a model's layers have one shape).
+        let largest = layer_reads.iter().map(|r| total(r)).max().unwrap_or(0).max(1);
+        let k = ((room / largest) as usize).min(self.layers.len());
         let keep = spread(self.layers.len(), k);
         for (l, keep) in keep.into_iter().enumerate() {
             if !keep {
