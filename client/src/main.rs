@@ -12,6 +12,7 @@ use leanstream::Bus;
 mod daemon_cmds;
 #[cfg(feature = "offline")]
 mod offline;
+mod table;
 
 #[derive(Parser, Debug)]
 #[command(

@@ -103,7 +103,6 @@ pub struct Floor {
     pub ring: u64,
 }
 
-
 /// Where every weight of a model goes under a budget, and what it costs per token.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -290,7 +289,12 @@ impl Plan {
         }
         // As many layers as fit, spread evenly; the rest stream. Counted at the largest layer's
         // size, so that whichever layers the spread picks fit (a model's layers have one shape).
-        let largest = layer_reads.iter().map(|r| total(r)).max().unwrap_or(0).max(1);
+        let largest = layer_reads
+            .iter()
+            .map(|r| total(r))
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let k = ((room / largest) as usize).min(self.layers.len());
         let keep = spread(self.layers.len(), k);
         for (l, keep) in keep.into_iter().enumerate() {

@@ -10,7 +10,6 @@ use zbus::DBusError;
 
 mod generate;
 mod status;
-mod table;
 
 /// Exit status when the daemon cannot be reached (no bus, or no daemon on it).
 pub const EXIT_UNREACHABLE: u8 = 3;

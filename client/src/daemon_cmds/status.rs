@@ -3,7 +3,7 @@
 use leanstream::Client;
 use leanstream::contract::{MemoryReport, ModelInfo};
 
-use super::table::{Align, bytes, render};
+use crate::table::{Align, bytes, render};
 
 /// The memory report as text: the budget line, then one table each for models, sessions and
 /// clients (a table with no rows says `(none)`).

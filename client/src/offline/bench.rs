@@ -202,17 +202,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             args.model.display()
         );
     }
+    let title = format!(
+        "{} — decode tokens/s and cache miss ratio",
+        file_name(&args.model)
+    );
+    write_outputs(&args, || report::json(&rows), || report::svg(&rows, &title))
+}
+
+/// Writes `--json` and `--plot` where asked.
+fn write_outputs(
+    args: &BenchArgs,
+    json: impl FnOnce() -> String,
+    svg: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
+    let write = |path: &PathBuf, text: String| {
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    };
     if let Some(path) = &args.json {
-        std::fs::write(path, report::json(&rows))
-            .with_context(|| format!("writing {}", path.display()))?;
+        write(path, json())?;
     }
     if let Some(path) = &args.plot {
-        let title = format!(
-            "{} — decode tokens/s and cache miss ratio",
-            args.model.file_name().unwrap_or_default().to_string_lossy()
-        );
-        std::fs::write(path, report::svg(&rows, &title))
-            .with_context(|| format!("writing {}", path.display()))?;
+        write(path, svg())?;
     }
     Ok(())
 }
@@ -278,22 +288,14 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
             args.model.display()
         );
     }
-    if let Some(path) = &args.json {
-        std::fs::write(path, capped::json(&rows))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(path) = &args.plot {
-        let title = format!(
-            "{} — decode tokens/s under a memory cap",
-            gguf_name(&cfg.gguf)
-        );
-        std::fs::write(path, capped::svg(&rows, &title))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
+    let title = format!(
+        "{} — decode tokens/s under a memory cap",
+        file_name(&cfg.gguf)
+    );
+    write_outputs(args, || capped::json(&rows), || capped::svg(&rows, &title))
 }
 
-fn gguf_name(p: &std::path::Path) -> String {
+fn file_name(p: &std::path::Path) -> String {
     p.file_name()
         .unwrap_or_default()
         .to_string_lossy()

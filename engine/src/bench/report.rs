@@ -231,7 +231,8 @@ pub fn svg(rows: &[BenchRow], title: &str) -> String {
     s
 }
 
-fn escape(s: &str) -> String {
+/// `s` as SVG/XML text.
+pub fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

@@ -14,7 +14,7 @@ mod cgroup;
 mod peer;
 mod report;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -396,12 +396,3 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
 }
 
 pub use report::{floors, json, svg, table};
-
-/// Where `leanstream` looks for llama.cpp when `--peer-llama` is a build directory.
-pub fn bin_dir(dir: &Path) -> PathBuf {
-    if dir.join("bin").is_dir() {
-        dir.join("bin")
-    } else {
-        dir.to_path_buf()
-    }
-}

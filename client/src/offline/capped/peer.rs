@@ -17,7 +17,11 @@ pub struct Llama {
 impl Llama {
     /// Finds `llama-completion` in `dir` or `dir/bin`.
     pub fn find(dir: &Path) -> anyhow::Result<Llama> {
-        let bin = super::bin_dir(dir);
+        let bin = if dir.join("bin").is_dir() {
+            dir.join("bin")
+        } else {
+            dir.to_path_buf()
+        };
         let completion = bin.join("llama-completion");
         if !completion.is_file() {
             bail!(

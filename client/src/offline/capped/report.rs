@@ -4,7 +4,10 @@
 
 use std::fmt::Write as _;
 
+use leanstream_engine::bench::report::escape;
+
 use super::{CappedRow, Outcome};
+use crate::table::{Align, render};
 
 fn mb(b: u64) -> String {
     format!("{:.0}", b as f64 / 1e6)
@@ -57,30 +60,14 @@ pub fn table(rows: &[CappedRow]) -> String {
             ]
         })
         .collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| {
-            cells
-                .iter()
-                .map(|c| c[i].len())
-                .chain([header[i].len()])
-                .max()
-                .unwrap_or(0)
+    let header: Vec<(&str, Align)> = header
+        .iter()
+        .map(|&h| match h {
+            "engine" | "outcome" => (h, Align::Left),
+            _ => (h, Align::Right),
         })
         .collect();
-    let mut s = String::new();
-    let line = |s: &mut String, c: &[String]| {
-        let parts: Vec<String> = c
-            .iter()
-            .zip(&widths)
-            .map(|(v, w)| format!("{v:>w$}"))
-            .collect();
-        let _ = writeln!(s, "{}", parts.join("  "));
-    };
-    line(&mut s, &header.map(String::from));
-    for c in &cells {
-        line(&mut s, c);
-    }
-    s
+    render(&header, &cells)
 }
 
 /// What LeanStream's plan held besides streamed weights at each cap: the floor by part and
@@ -259,12 +246,6 @@ pub fn svg(rows: &[CappedRow], title: &str) -> String {
     }
     s.push_str("</svg>\n");
     s
-}
-
-fn escape(t: &str) -> String {
-    t.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Plain aligned text tables and byte sizes for the CLI.
+//! Plain aligned text tables and byte sizes for the CLI (daemon status, the capped bench).
 
 /// Column alignment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
