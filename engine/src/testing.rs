@@ -31,7 +31,7 @@ pub fn real_model() -> PathBuf {
 pub fn tiny_lsm(seed: u64, gguf: &Path, out: &Path) -> crate::Result<()> {
     TinyLlama::new(seed).write_gguf(gguf, DType::Q4_1)?;
     let opts = lsm::ConvertOptions {
-        chunk_neurons: 16,
+        chunk_neurons: Some(16),
         ..Default::default()
     };
     lsm::convert(&load_imported(gguf)?, out, &opts, &mut |_, _| {})?;

@@ -103,7 +103,7 @@ fn a_failed_conversion_leaves_nothing_behind() {
     let imported = load_imported(&src).expect("import");
     let out = dir.path().join("out.lsm");
     let opts = lsm::ConvertOptions {
-        chunk_neurons: 0,
+        chunk_neurons: Some(0),
         ..Default::default()
     };
     let e = lsm::convert(&imported, &out, &opts, &mut |_, _| {})

@@ -27,7 +27,7 @@ fn tiny(seed: u64, dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         .unwrap();
     let m = leanstream_engine::model::load_imported(&gguf).unwrap();
     let opts = lsm::ConvertOptions {
-        chunk_neurons: 16,
+        chunk_neurons: Some(16),
         ..Default::default()
     };
     lsm::convert(&m, &out, &opts, &mut |_, _| {}).unwrap();

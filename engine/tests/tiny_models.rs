@@ -41,7 +41,7 @@ fn to_lsm(src: &Path, dir: &Path, chunk_neurons: usize, down: DType) -> PathBuf 
     let out = dir.join(format!("m-{chunk_neurons}-{down}.lsm"));
     let imported = leanstream_engine::model::load_imported(src).expect("import");
     let opts = lsm::ConvertOptions {
-        chunk_neurons,
+        chunk_neurons: Some(chunk_neurons),
         down_dtype: down,
     };
     lsm::convert(&imported, &out, &opts, &mut |_, _| {}).expect("convert");

@@ -1,6 +1,5 @@
 //! The tokenizer and chat template of the real SmolLM2-135M-Instruct GGUF file against the ids
-//! of `shared/fixtures/smollm2-reference.json` (copied here; the fixture is not read at test
-//! time).
+//! of an independent reference (a numpy implementation; the ids are inlined here).
 //!
 //! The model path comes from `LEANSTREAM_TEST_MODEL`, by default
 //! `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`; `scripts/fetch-model` puts it there.

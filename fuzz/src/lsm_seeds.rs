@@ -20,7 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     .enumerate()
     {
         TinyLlama::new(i as u64).write_gguf(&tmp, dtype)?;
-        let opts = lsm::ConvertOptions { chunk_neurons: chunk, down_dtype: down };
+        let opts = lsm::ConvertOptions { chunk_neurons: Some(chunk), down_dtype: down };
         lsm::convert(&load_imported(&tmp)?, &out.join(format!("seed{i}.lsm")), &opts, &mut |_, _| {})?;
     }
     std::fs::remove_file(&tmp)?;

@@ -9,27 +9,40 @@ pub fn real_gguf() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
-/// The real model converted to `.lsm` once per test binary (default options).
+/// The real model converted to `.lsm` once per test binary: default chunking, f16 down columns
+/// (not the default q8_0), so that the file computes what the GGUF computes to f16 rounding and
+/// the tests can hold it to the GGUF's fixtures.
 pub fn real_lsm() -> PathBuf {
     static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    LSM.get_or_init(|| convert_real(leanstream_engine::quant::DType::F16))
+        .1
+        .clone()
+}
+
+/// The real model converted to `.lsm` with every default (q8_0 down columns), once per binary.
+pub fn real_lsm_default() -> PathBuf {
+    static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
     LSM.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let out = dir.path().join("smollm2.lsm");
-        let model = leanstream_engine::model::gguf::import(&real_gguf()).expect("import GGUF");
-        leanstream_engine::model::lsm::convert(
-            &model,
-            &out,
-            &leanstream_engine::model::lsm::ConvertOptions::default(),
-            &mut |_, _| {},
-        )
-        .expect("convert to .lsm");
-        (dir, out)
+        convert_real(leanstream_engine::model::lsm::ConvertOptions::default().down_dtype)
     })
     .1
     .clone()
 }
 
-/// One case of `shared/fixtures/smollm2-reference.json` (an independent numpy f32 implementation).
+fn convert_real(down_dtype: leanstream_engine::quant::DType) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("smollm2.lsm");
+    let model = leanstream_engine::model::gguf::import(&real_gguf()).expect("import GGUF");
+    let opts = leanstream_engine::model::lsm::ConvertOptions {
+        down_dtype,
+        ..Default::default()
+    };
+    leanstream_engine::model::lsm::convert(&model, &out, &opts, &mut |_, _| {})
+        .expect("convert to .lsm");
+    (dir, out)
+}
+
+/// One case of the independent reference (a numpy f32 implementation; values inlined below).
 pub struct FixtureCase {
     pub prompt: &'static str,
     pub prompt_ids: &'static [u32],
