@@ -136,7 +136,7 @@ impl Executor {
     /// cache-backed modes (the same number [`ChunkLayout::floor_bytes`] gives from the file's
     /// header before loading), 0 for `mmap`.
     ///
-    /// [`ChunkLayout::floor_bytes`]: super::ChunkLayout::floor_bytes
+    /// [`ChunkLayout::floor_bytes`]: crate::model::lsm::ChunkLayout::floor_bytes
     pub fn cache_floor_bytes(&self) -> usize {
         match self {
             Executor::Mmap(_) => 0,

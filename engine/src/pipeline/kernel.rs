@@ -1,9 +1,9 @@
 //! The sparse FFN over neuron chunks: each chunk adds its neurons' share of the output, so chunks
 //! can be computed in any order, as they arrive.
 
-use super::layout::ChunkLayout;
 use crate::backend::cpu::{self, Disjoint, Kernels, QuantizedActs};
 use crate::model::FfnActivation;
+use crate::model::lsm::ChunkLayout;
 
 /// What one layer's chunk computations share.
 #[derive(Clone, Copy, Debug)]

@@ -5,11 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::layout::ChunkLayout;
 use super::select::{AllNeurons, NeuronScorer};
 use crate::Result;
 use crate::forward::Model;
-use crate::model::lsm::LsmFile;
+use crate::model::lsm::{ChunkLayout, LsmFile};
 use crate::model::{Residency, TensorBytes};
 use crate::predict::{PredictScratch, Predictor, PredictorKind};
 
@@ -29,7 +28,7 @@ pub struct SparseModel {
     pub thresholds: Vec<f32>,
     /// Per chunk: the calibrated share of tokens on which any neuron of the chunk is active.
     pub chunk_frequency: Vec<f32>,
-    /// Per chunk (by [`ChunkId`](super::layout::ChunkId)): the CRC-32 its streamed bytes must
+    /// Per chunk (by [`ChunkId`](crate::model::lsm::ChunkId)): the CRC-32 its streamed bytes must
     /// match, from the header.
     pub chunk_crc32: Vec<u32>,
     /// The calibration's target sparsity (0 when uncalibrated).

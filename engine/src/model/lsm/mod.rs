@@ -23,6 +23,7 @@
 //! at conversion is recorded in the header (`down_error`).
 
 mod calibration;
+mod layout;
 mod rewrite;
 pub mod synth;
 mod write;
@@ -42,6 +43,7 @@ use crate::{Error, Result};
 pub use calibration::{
     CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData, PredictorMeta,
 };
+pub use layout::{ChunkId, ChunkLayout};
 pub use rewrite::write_calibrated;
 pub use write::{ConvertOptions, ConvertReport, convert};
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::CpuChunks;
 use super::StreamingFfn;
 use crate::Result;
-use crate::cache::ChunkId;
+use crate::model::lsm::ChunkId;
 
 impl StreamingFfn {
     /// Resizes the neuron cache to `bytes`, rounded down to whole chunks (capped at every chunk
