@@ -12,8 +12,8 @@ use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
 use crate::io::{DirectFile, IoOptions, ThreadPoolIo};
+use crate::model::lsm::PredictorKind;
 use crate::model::{LayerWeights, Residency};
-use crate::predict::PredictorKind;
 use crate::{Error, Result};
 
 /// How to build a sparse pipeline.

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use super::select::{AllNeurons, NeuronScorer};
 use crate::Result;
 use crate::forward::Model;
-use crate::model::lsm::{ChunkLayout, LsmFile};
+use crate::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use crate::model::{Residency, TensorBytes};
-use crate::predict::{PredictScratch, Predictor, PredictorKind};
+use crate::predict::{self, PredictScratch, Predictor};
 
 /// A model ready for the sparse pipelines. Shared by every session and pipeline on it.
 #[derive(Debug)]
@@ -110,7 +110,7 @@ impl SparseModel {
     pub fn scorer(&self, kind: Option<PredictorKind>) -> Result<Box<dyn NeuronScorer>> {
         match (kind, &self.calibration) {
             (Some(kind), Some(c)) => {
-                let predictor = c.predictor(kind)?;
+                let predictor = predict::load(c, kind)?;
                 Ok(Box::new(PredictorScorer {
                     scratch: predictor.scratch(),
                     cutoffs: c.predictor_meta(kind)?.cutoffs.clone(),
