@@ -14,12 +14,12 @@ use crate::model::QRows;
 /// every run.
 ///
 /// Panics if `partials` holds fewer than `d` values or `d == 0` (a caller's sizing invariant).
-pub fn partial_sums<'p>(
+pub fn partial_sums(
     n: usize,
     d: usize,
-    partials: &'p mut [f32],
+    partials: &mut [f32],
     unit: impl Fn(usize, &mut [f32]) + Sync,
-) -> &'p [f32] {
+) -> &[f32] {
     let parts = partials.len() / d;
     assert!(
         parts > 0,
@@ -127,14 +127,14 @@ mod tests {
         };
 
         let mut out = [f32::NAN; 4];
-        down_neurons(k, &m, &h, &mut vec![0.0; 4], &mut out);
+        down_neurons(k, &m, &h, &mut [0.0; 4], &mut out);
         assert_eq!(bits(&out), bits(&serial(0..7)));
 
         // Three parts: neurons 0..3, 3..6 and 6..7, summed in that order.
         let mut want = serial(0..3);
         add_inplace(&mut want, &serial(3..6));
         add_inplace(&mut want, &serial(6..7));
-        down_neurons(k, &m, &h, &mut vec![0.0; 3 * 4], &mut out);
+        down_neurons(k, &m, &h, &mut [0.0; 3 * 4], &mut out);
         assert_eq!(bits(&out), bits(&want));
         assert!(out.iter().all(|v| v.is_finite()));
     }
