@@ -1,8 +1,8 @@
 //! What an active FFN neuron is: the one definition calibration, the CPU and GPU chunk kernels
 //! and recall measurement share (the CUDA kernel in `cuda-kernels/src/ffn.cu` spells the same
 //! rule in C); and how well a score cut-off recovers the active neurons ([`cutoff_for_recall`],
-//! [`RecallCounter`]), which calibration, the predictors' measurements and the synthetic model
-//! generator share.
+//! [`RecallCounter`]), which calibration (setting and measuring the predictors' cut-offs) and the
+//! synthetic model generator share.
 //!
 //! A leaf: it imports nothing from the crate, so the file format and the predictors can both use
 //! it.
