@@ -17,10 +17,9 @@ use leanstream_engine::chat::ChatTemplate;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::Decode;
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::lsm::LsmFile;
+use leanstream_engine::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use leanstream_engine::model::{load_bytes_estimate, map_file};
-use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
-use leanstream_engine::predict::PredictorKind;
+use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 
 use crate::config::{Backend, ModelParams, Params};
 use crate::models::ModelFile;

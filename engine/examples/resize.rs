@@ -16,9 +16,9 @@ use anyhow::{Context, bail};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
 use leanstream_engine::kv::KvType;
+use leanstream_engine::model::lsm::PredictorKind;
 use leanstream_engine::model::{load_imported, lsm};
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
-use leanstream_engine::predict::PredictorKind;
 use leanstream_engine::sample::argmax;
 
 fn main() -> anyhow::Result<()> {

@@ -421,30 +421,10 @@ impl Session {
                 k.matmats(x, n, [(m, &mut s.proj[..n * d])]);
             }
             Down::Neurons(m) => {
-                // Sum of act_i * column_i, split over neurons; each task owns one partial sum.
-                let n_parts = s.partials.len() / d;
-                let per_part = m.rows.div_ceil(n_parts);
                 for t in 0..n {
                     let act = &s.gate[t * n_ff..(t + 1) * n_ff];
-                    let partials = Disjoint::new(&mut s.partials);
-                    cpu::for_each_chunk(n_parts, 1, |parts| {
-                        let part = parts.start;
-                        // SAFETY: each part is handed out once and owns partial sum `part`.
-                        let acc = unsafe { partials.range(part * d..(part + 1) * d) };
-                        acc.fill(0.0);
-                        let end = ((part + 1) * per_part).min(m.rows);
-                        let start = (part * per_part).min(end);
-                        for (i, &a) in act.iter().enumerate().take(end).skip(start) {
-                            if a != 0.0 {
-                                k.axpy(m.dtype, m.row(i), a, acc);
-                            }
-                        }
-                    });
                     let proj = &mut s.proj[t * d..(t + 1) * d];
-                    proj.copy_from_slice(&s.partials[..d]);
-                    for part in s.partials[d..].chunks_exact(d) {
-                        cpu::add_inplace(proj, part);
-                    }
+                    cpu::down_neurons(k, m, act, &mut s.partials, proj);
                 }
             }
         }

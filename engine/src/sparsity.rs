@@ -1,6 +1,15 @@
 //! What an active FFN neuron is: the one definition calibration, the CPU and GPU chunk kernels
 //! and recall measurement share (the CUDA kernel in `cuda-kernels/src/ffn.cu` spells the same
-//! rule in C).
+//! rule in C); and how well a score cut-off recovers the active neurons ([`cutoff_for_recall`],
+//! [`RecallCounter`]), which calibration (setting and measuring the predictors' cut-offs) and the
+//! synthetic model generator share.
+//!
+//! A leaf: it imports nothing from the crate, so the file format and the predictors can both use
+//! it.
+
+mod cutoff;
+
+pub use cutoff::{RecallCounter, cutoff_for_recall};
 
 /// Whether activation `a = act(gate·x) · (up·x)` counts at `threshold`: nonzero and at least
 /// the threshold in magnitude. A threshold of 0 keeps every nonzero activation (sparsity off,

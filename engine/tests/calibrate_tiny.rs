@@ -9,8 +9,8 @@ use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::lsm::LsmFile;
-use leanstream_engine::predict::PredictorKind;
+use leanstream_engine::model::lsm::{LsmFile, PredictorKind};
+use leanstream_engine::predict;
 use leanstream_engine::testing;
 
 const TEXT: &str = "the cat sat on the mat and the dog sat on the log. a bird sang in the tree \
@@ -100,7 +100,7 @@ fn calibration_round_trips_and_reordering_keeps_the_function() {
     );
 
     for kind in PredictorKind::ALL {
-        let p = cal.predictor(kind).expect("predictor");
+        let p = predict::load(&cal, kind).expect("predictor");
         assert_eq!(p.kind(), kind);
         assert!(p.bytes() > 0);
         let meta = cal.predictor_meta(kind).expect("meta");

@@ -10,8 +10,8 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::cache::Lookup;
 use leanstream_engine::forward::Session;
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::lsm::LsmFile;
-use leanstream_engine::pipeline::{ChunkLayout, Executor, ExecutorOptions, Mode, SparseModel};
+use leanstream_engine::model::lsm::{ChunkLayout, LsmFile};
+use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;
 use leanstream_engine::testing;
 

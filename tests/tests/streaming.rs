@@ -2,8 +2,7 @@
 //! `leanstream` mode as `[models.smollm2]` configures it, through the real daemon and bus.
 
 use leanstream_e2e::*;
-use leanstream_engine::model::lsm::LsmFile;
-use leanstream_engine::pipeline::ChunkLayout;
+use leanstream_engine::model::lsm::{ChunkLayout, LsmFile};
 
 /// `leanstream` mode with sparsity off and a quarter of the FFN as neuron cache, in a budget
 /// smaller than the model file.

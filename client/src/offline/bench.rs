@@ -7,8 +7,8 @@ use anyhow::Context;
 use clap::Args;
 use leanstream_engine::backend::select::BackendChoice;
 use leanstream_engine::bench::{self, BenchConfig, report};
+use leanstream_engine::model::lsm::PredictorKind;
 use leanstream_engine::pipeline::Mode;
-use leanstream_engine::predict::PredictorKind;
 
 use super::PrecisionArg;
 use super::capped;

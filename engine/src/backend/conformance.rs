@@ -9,8 +9,8 @@
 //! chunk, chunks out of order, every stored type, ties in sampling.
 
 use super::ops::{AttentionShape, FfnChunks, KernelOps, Matrix, rope_table};
+use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, RopeStyle};
-use crate::pipeline::ChunkLayout;
 use crate::quant::{DType, dequantize_row, quantize_row};
 
 /// Deterministic values in [-1, 1).

@@ -6,8 +6,8 @@
 //! keep their buffers on their own device); they call the same kernels directly.
 
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
+use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, QRows, RopeStyle, TensorBytes};
-use crate::pipeline::ChunkLayout;
 use crate::{Error, Result};
 
 /// A matrix of quantised rows stored back to back.

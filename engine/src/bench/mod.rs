@@ -19,8 +19,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::cpu::Precision;
+use crate::model::lsm::PredictorKind;
 use crate::pipeline::Mode;
-use crate::predict::PredictorKind;
 
 pub use run::run;
 

@@ -24,8 +24,6 @@ mod tests;
 
 pub use neuron::NeuronCache;
 
-/// A chunk of FFN neurons, numbered `0..total_chunks` (the pipeline maps (layer, chunk) to it).
-pub type ChunkId = u32;
 /// A slot of the arena, numbered `0..capacity_slots`.
 pub type SlotId = u32;
 

@@ -6,8 +6,9 @@ mod resize;
 
 use super::arena::Arena;
 use super::heap::{EvictionHeap, retention_key};
-use super::{CacheStats, ChunkId, Evict, Lookup, SlotId};
+use super::{CacheStats, Evict, Lookup, SlotId};
 use crate::io::{PAGE, ReadTarget};
+use crate::model::lsm::ChunkId;
 use crate::{Error, Result};
 use resize::slots_for;
 

@@ -9,6 +9,7 @@ use super::heap::retention_key;
 use super::*;
 use crate::Error;
 use crate::io::{PAGE, ReadTarget};
+use crate::model::lsm::ChunkId;
 
 const SB: usize = PAGE;
 

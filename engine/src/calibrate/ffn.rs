@@ -3,14 +3,13 @@
 
 use super::window::FfnExecutor;
 use crate::Result;
-use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
+use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::model::{Down, FfnActivation, LayerWeights, ModelConfig};
 
 /// The dense FFN of one token with preallocated buffers.
 #[derive(Debug)]
 pub struct DenseFfn {
     activation: FfnActivation,
-    d_model: usize,
     /// `h = act(gate·xn) * (up·xn)` of the last token (`n_ff`).
     pub h: Vec<f32>,
     up: Vec<f32>,       // (n_ff)
@@ -24,7 +23,6 @@ impl DenseFfn {
         let parts = rayon::current_num_threads().max(1);
         DenseFfn {
             activation: c.activation,
-            d_model: c.d_model,
             h: vec![0.0; c.n_ff],
             up: vec![0.0; c.n_ff],
             partials: vec![0.0; parts * c.d_model],
@@ -52,30 +50,9 @@ impl DenseFfn {
     /// `out = Σ_i h_i · down_i` over the neurons with `h_i != 0`.
     pub fn down(&mut self, layer: &LayerWeights, out: &mut [f32]) {
         let k = Kernels::best();
-        let d = self.d_model;
         match &layer.ffn.down {
             Down::Rows(m) => k.matvec(m, &self.h, out, Precision::Exact, &mut self.acts),
-            Down::Neurons(m) => {
-                let n_parts = self.partials.len() / d;
-                let per = self.h.len().div_ceil(n_parts);
-                let (h, parts) = (&self.h, Disjoint::new(&mut self.partials));
-                cpu::for_each_chunk(h.len(), per, |r| {
-                    let p = r.start / per;
-                    // SAFETY: chunk `p` (one per range of `per` neurons) alone writes partial `p`.
-                    let acc = unsafe { parts.range(p * d..(p + 1) * d) };
-                    acc.fill(0.0);
-                    for i in r {
-                        if h[i] != 0.0 {
-                            k.axpy(m.dtype, m.row(i), h[i], acc);
-                        }
-                    }
-                });
-                let used = h.len().div_ceil(per);
-                out.copy_from_slice(&self.partials[..d]);
-                for part in self.partials[d..used * d].chunks_exact(d) {
-                    cpu::add_inplace(out, part);
-                }
-            }
+            Down::Neurons(m) => cpu::down_neurons(k, m, &self.h, &mut self.partials, out),
         }
     }
 }

@@ -7,7 +7,8 @@ use nalgebra::DMatrix;
 
 use crate::backend::cpu::{Kernels, Precision, QuantizedActs};
 use crate::model::{FfnActivation, LayerWeights};
-use crate::predict::{Predictor, RecallCounter, cutoff_for_recall};
+use crate::predict::Predictor;
+use crate::sparsity::{RecallCounter, cutoff_for_recall};
 
 /// Tokens per mat-mat call.
 const BATCH: usize = 32;

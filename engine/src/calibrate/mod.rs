@@ -31,11 +31,12 @@ use nalgebra::DMatrix;
 pub use ffn::{Collector, DenseFfn, Thresholded};
 pub use window::{FfnExecutor, WindowForward};
 
-use crate::model::lsm::{CalTensor, Calibration, LsmFile, PredictorMeta, write_calibrated};
-use crate::model::{FfnActivation, Weights};
-use crate::predict::{
-    Hashing, HashingParams, LowRank, LowRankParams, Predictor, PredictorKind, RecallCounter,
+use crate::model::lsm::{
+    CalTensor, Calibration, LsmFile, PredictorKind, PredictorMeta, write_calibrated,
 };
+use crate::model::{FfnActivation, Weights};
+use crate::predict::{Hashing, HashingParams, LowRank, LowRankParams, Predictor};
+use crate::sparsity::RecallCounter;
 use crate::{Error, Result};
 
 /// The default calibration text (`data/text/calibration.txt`, written for the project).

@@ -12,8 +12,8 @@ use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
 use crate::io::{DirectFile, IoOptions, ThreadPoolIo};
+use crate::model::lsm::PredictorKind;
 use crate::model::{LayerWeights, Residency};
-use crate::predict::PredictorKind;
 use crate::{Error, Result};
 
 /// How to build a sparse pipeline.
@@ -136,7 +136,7 @@ impl Executor {
     /// cache-backed modes (the same number [`ChunkLayout::floor_bytes`] gives from the file's
     /// header before loading), 0 for `mmap`.
     ///
-    /// [`ChunkLayout::floor_bytes`]: super::ChunkLayout::floor_bytes
+    /// [`ChunkLayout::floor_bytes`]: crate::model::lsm::ChunkLayout::floor_bytes
     pub fn cache_floor_bytes(&self) -> usize {
         match self {
             Executor::Mmap(_) => 0,

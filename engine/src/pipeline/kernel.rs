@@ -1,9 +1,11 @@
 //! The sparse FFN over neuron chunks: each chunk adds its neurons' share of the output, so chunks
 //! can be computed in any order, as they arrive.
 
-use super::layout::ChunkLayout;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::backend::cpu::{self, Disjoint, Kernels, QuantizedActs};
 use crate::model::FfnActivation;
+use crate::model::lsm::ChunkLayout;
 
 /// What one layer's chunk computations share.
 #[derive(Clone, Copy, Debug)]
@@ -57,9 +59,10 @@ impl ChunkMath<'_> {
     }
 
     /// Computes every chunk in `chunks` (no chunk twice), whose stored bytes `bytes_of(c)` gives,
-    /// over the compute pool, adding their sum to `out` and writing the activations of their neurons into the
-    /// layer's `h` (`n_ff` values). `partials` is scratch of `n_parts * d_model` values (one
-    /// partial sum per task). Returns the number of active neurons.
+    /// over the compute pool, adding their sum to `out` and writing the activations of their
+    /// neurons into the layer's `h` (`n_ff` values). `partials` is scratch of `n_parts * d_model`
+    /// values: the listed chunks are split in order into at most `n_parts` groups, one partial
+    /// sum each ([`cpu::partial_sums`]). Returns the number of active neurons.
     pub fn chunks<'b>(
         &self,
         chunks: &[usize],
@@ -76,30 +79,16 @@ impl ChunkMath<'_> {
                 .map(|&c| self.chunk(c, bytes_of(c), x, &mut h[self.layout.neurons(c)], out))
                 .sum();
         }
-        let n_parts = (partials.len() / d).min(chunks.len()).max(1);
-        let per_part = chunks.len().div_ceil(n_parts);
-        let active = std::sync::atomic::AtomicUsize::new(0);
-        {
-            let hs = Disjoint::new(h);
-            let ps = Disjoint::new(&mut partials[..n_parts * d]);
-            cpu::for_each_chunk(n_parts, 1, |parts| {
-                for p in parts {
-                    // SAFETY: each part index is handed out once and owns partial sum `p`.
-                    let acc = unsafe { ps.range(p * d..(p + 1) * d) };
-                    acc.fill(0.0);
-                    let mut n = 0;
-                    for &c in chunks.iter().skip(p * per_part).take(per_part) {
-                        // SAFETY: every chunk appears once in `chunks` (a documented
-                        // precondition) and chunks own disjoint neuron ranges, so this range of
-                        // `h` is written by this task alone.
-                        let hc = unsafe { hs.range(self.layout.neurons(c)) };
-                        n += self.chunk(c, bytes_of(c), x, hc, acc);
-                    }
-                    active.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                }
-            });
-        }
-        for part in partials[..n_parts * d].chunks_exact(d) {
+        let active = AtomicUsize::new(0);
+        let hs = Disjoint::new(h);
+        let sums = cpu::partial_sums(chunks.len(), d, partials, |i, acc| {
+            let c = chunks[i];
+            // SAFETY: every chunk appears once in `chunks` (a documented precondition) and chunks
+            // own disjoint neuron ranges, so this range of `h` is written by one unit alone.
+            let hc = unsafe { hs.range(self.layout.neurons(c)) };
+            active.fetch_add(self.chunk(c, bytes_of(c), x, hc, acc), Ordering::Relaxed);
+        });
+        for part in sums.chunks_exact(d) {
             cpu::add_inplace(out, part);
         }
         active.into_inner()

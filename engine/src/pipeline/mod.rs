@@ -15,7 +15,6 @@
 
 pub mod executor;
 pub mod kernel;
-pub mod layout;
 pub mod mmap;
 mod recall;
 pub mod select;
@@ -27,7 +26,6 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use executor::{Executor, ExecutorOptions};
-pub use layout::{ChunkId, ChunkLayout};
 pub use select::{AllNeurons, NeuronScorer, Selector};
 pub use sparse_model::SparseModel;
 pub use stats::PipelineStats;

@@ -1,9 +1,9 @@
 //! Predictor recall, measured against the truth: the dense activations of every neuron of a layer
 //! (from the memory-mapped weights; only in measurement passes, never while timing).
 
-use super::layout::ChunkLayout;
 use super::stats::PipelineStats;
 use crate::backend::cpu::Kernels;
+use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, LayerWeights};
 
 /// Counts the neurons of `layer` that are active for input `xn` under `threshold`, and how many

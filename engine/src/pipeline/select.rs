@@ -1,7 +1,7 @@
 //! Which chunks of a layer to compute: neuron scores from a predictor, turned into one margin per
 //! chunk (`max` over its neurons of `score − cutoff`); a chunk is selected when its margin is ≥ 0.
 
-use super::layout::ChunkLayout;
+use crate::model::lsm::ChunkLayout;
 
 /// Scores the neurons of a layer from its normalised FFN input.
 pub trait NeuronScorer: Send + std::fmt::Debug {

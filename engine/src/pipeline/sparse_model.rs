@@ -5,13 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::layout::ChunkLayout;
 use super::select::{AllNeurons, NeuronScorer};
 use crate::Result;
 use crate::forward::Model;
-use crate::model::lsm::LsmFile;
+use crate::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use crate::model::{Residency, TensorBytes};
-use crate::predict::{PredictScratch, Predictor, PredictorKind};
+use crate::predict::{self, PredictScratch, Predictor};
 
 /// A model ready for the sparse pipelines. Shared by every session and pipeline on it.
 #[derive(Debug)]
@@ -29,7 +28,7 @@ pub struct SparseModel {
     pub thresholds: Vec<f32>,
     /// Per chunk: the calibrated share of tokens on which any neuron of the chunk is active.
     pub chunk_frequency: Vec<f32>,
-    /// Per chunk (by [`ChunkId`](super::layout::ChunkId)): the CRC-32 its streamed bytes must
+    /// Per chunk (by [`ChunkId`](crate::model::lsm::ChunkId)): the CRC-32 its streamed bytes must
     /// match, from the header.
     pub chunk_crc32: Vec<u32>,
     /// The calibration's target sparsity (0 when uncalibrated).
@@ -111,7 +110,7 @@ impl SparseModel {
     pub fn scorer(&self, kind: Option<PredictorKind>) -> Result<Box<dyn NeuronScorer>> {
         match (kind, &self.calibration) {
             (Some(kind), Some(c)) => {
-                let predictor = c.predictor(kind)?;
+                let predictor = predict::load(c, kind)?;
                 Ok(Box::new(PredictorScorer {
                     scratch: predictor.scratch(),
                     cutoffs: c.predictor_meta(kind)?.cutoffs.clone(),

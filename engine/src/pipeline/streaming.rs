@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 
 use super::Mode;
 use super::kernel::{ChunkCompute, ChunkMath, CpuChunks};
-use super::layout::ChunkId;
 use super::select::Selector;
 use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
@@ -35,6 +34,7 @@ use crate::cache::{Evict, Lookup, NeuronCache};
 use crate::forward::FfnExecutor;
 use crate::io::{ChunkCheck, Completion, IoEngine, ReadRequest};
 use crate::model::LayerWeights;
+use crate::model::lsm::ChunkId;
 use crate::{Error, Result};
 
 /// What the cache keeps when it must evict.
@@ -184,7 +184,7 @@ impl std::fmt::Debug for StreamingFfn {
 impl StreamingFfn {
     /// A pipeline over `sm` with `policy`, a cache of `cache_bytes` and reads served by `io`.
     /// Refuses a cache too small to hold one layer's chunks (the minimum working set,
-    /// [`ChunkLayout::floor_bytes`](super::ChunkLayout::floor_bytes)), naming the bytes needed.
+    /// [`ChunkLayout::floor_bytes`](crate::model::lsm::ChunkLayout::floor_bytes)), naming the bytes needed.
     pub fn new(
         sm: Arc<SparseModel>,
         selector: Selector,
@@ -277,7 +277,7 @@ impl StreamingFfn {
     }
 
     /// The smallest cache this pipeline runs with: one layer's chunks, in bytes (equal to
-    /// [`ChunkLayout::floor_bytes`](super::ChunkLayout::floor_bytes) of its file).
+    /// [`ChunkLayout::floor_bytes`](crate::model::lsm::ChunkLayout::floor_bytes) of its file).
     pub fn cache_floor_bytes(&self) -> usize {
         self.cache.floor_bytes() as usize
     }

@@ -24,9 +24,9 @@
 use nalgebra::DMatrix;
 
 use super::lowrank::GateSvd;
-use super::{PredictScratch, Predictor, PredictorKind};
+use super::{PredictScratch, Predictor};
 use crate::backend::cpu::Kernels;
-use crate::model::lsm::{CalDType, CalTensor, CalibrationData, PredictorMeta};
+use crate::model::lsm::{CalDType, CalTensor, CalibrationData, PredictorKind, PredictorMeta};
 use crate::quant::DType;
 use crate::{Error, Result};
 

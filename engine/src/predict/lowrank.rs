@@ -11,9 +11,9 @@
 
 use nalgebra::{DMatrix, SymmetricEigen};
 
-use super::{PredictScratch, Predictor, PredictorKind};
+use super::{PredictScratch, Predictor};
 use crate::backend::cpu::Kernels;
-use crate::model::lsm::{CalDType, CalTensor, CalibrationData, PredictorMeta};
+use crate::model::lsm::{CalDType, CalTensor, CalibrationData, PredictorKind, PredictorMeta};
 use crate::model::{FfnActivation, QRows};
 use crate::quant::DType;
 use crate::{Error, Result};

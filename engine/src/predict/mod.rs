@@ -14,46 +14,20 @@
 //!   the LeanStream paper's stacked learnable hashing).
 //!
 //! Scores are in STORED neuron order (the file's order, after any reordering).
+//!
+//! Dependencies point one way: a predictor reads its tables from the [`CalibrationData`] the file
+//! format hands it ([`load`]); the format stores only tensors, metadata and the kind tag
+//! ([`PredictorKind`]) and imports nothing from here.
 
-mod cutoff;
 mod hashing;
 mod lowrank;
 
-use serde::{Deserialize, Serialize};
-
-pub use cutoff::{RecallCounter, cutoff_for_recall};
 pub use hashing::{Hashing, HashingParams};
 pub(crate) use lowrank::gate_svd;
 pub use lowrank::{LowRank, LowRankParams};
 
-/// Which predictor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PredictorKind {
-    /// Truncated SVD of the gate matrix.
-    LowRank,
-    /// Stacked learned sign-bit hashing.
-    Hashing,
-}
-
-impl PredictorKind {
-    /// Every kind, in report order.
-    pub const ALL: [PredictorKind; 2] = [PredictorKind::LowRank, PredictorKind::Hashing];
-
-    /// Short lowercase name (`lowrank`, `hashing`), as in tensor names and reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            PredictorKind::LowRank => "lowrank",
-            PredictorKind::Hashing => "hashing",
-        }
-    }
-}
-
-impl std::fmt::Display for PredictorKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::Result;
+use crate::model::lsm::{CalibrationData, PredictorKind};
 
 /// Per-call scratch of a predictor, sized once by [`Predictor::scratch`]; scoring never allocates.
 #[derive(Clone, Debug, Default)]
@@ -91,4 +65,14 @@ pub trait Predictor: Send + Sync + std::fmt::Debug {
 
     /// Bytes of its tables in memory, all layers.
     fn bytes(&self) -> usize;
+}
+
+/// Builds predictor `kind` from the tables stored in `cal`. Errors, naming the file, if the file
+/// has no predictor of that kind or its tables are missing or have the wrong type or shape.
+pub fn load(cal: &CalibrationData, kind: PredictorKind) -> Result<Box<dyn Predictor>> {
+    let meta = cal.predictor_meta(kind)?;
+    Ok(match kind {
+        PredictorKind::LowRank => Box::new(LowRank::load(cal, meta)?),
+        PredictorKind::Hashing => Box::new(Hashing::load(cal, meta)?),
+    })
 }

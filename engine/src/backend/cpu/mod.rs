@@ -24,6 +24,7 @@ mod attend;
 mod avx2;
 mod dense;
 mod matvec;
+mod partial;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -36,6 +37,7 @@ use crate::quant::{DType, QK};
 pub use attend::{KvRows, KvSpan, attend, attend_spans};
 pub use dense::{add_inplace, rmsnorm, rope, silu_mul, softmax_inplace};
 pub use matvec::{Disjoint, for_each_chunk};
+pub use partial::{down_neurons, partial_sums};
 
 /// Activation precision of quantised dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]

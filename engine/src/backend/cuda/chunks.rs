@@ -24,7 +24,7 @@ use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
 use super::kernels::GatheredChunks;
 use super::memory::{HostRegistration, copy_to_device_async, download_into, zeros};
 use super::{CudaBackend, cuda};
-use crate::pipeline::ChunkLayout;
+use crate::model::lsm::ChunkLayout;
 use crate::pipeline::kernel::{ChunkCompute, ChunkMath};
 use crate::{Error, Result};
 

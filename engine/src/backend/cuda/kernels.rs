@@ -11,8 +11,8 @@ use cust::memory::DevicePointer;
 use cust::prelude::*;
 
 use super::{CudaBackend, cuda, dtype_code};
+use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, RopeStyle};
-use crate::pipeline::ChunkLayout;
 use crate::quant::DType;
 use crate::{Error, Result};
 

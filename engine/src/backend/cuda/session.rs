@@ -16,8 +16,8 @@ use super::kernels::GatheredChunks;
 use super::memory::{download, download_into, upload, zeros};
 use super::{CudaBackend, cuda};
 use crate::forward::{FfnExecutor, Model, check_tokens};
+use crate::model::lsm::ChunkLayout;
 use crate::model::{Down, ModelConfig, QRows};
-use crate::pipeline::ChunkLayout;
 use crate::quant::DType;
 use crate::{Error, Result};
 

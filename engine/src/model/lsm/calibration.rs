@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 
 use super::{LsmFile, Section};
 use crate::model::{ModelConfig, TensorBytes};
-use crate::predict::{Hashing, LowRank, Predictor, PredictorKind};
 use crate::{Error, Result};
 
 /// Element type of a calibration tensor (little-endian).
@@ -57,6 +56,36 @@ pub struct CalTensorEntry {
     /// Offset from the start of the calibration section (64-byte aligned).
     pub offset: u64,
     pub len: u64,
+}
+
+/// Which predictor a file stores tables for: the tag in [`PredictorMeta::kind`] and in tensor
+/// names (`lowrank.{l}.v`, ...). What the tables mean is `crate::predict`'s business.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictorKind {
+    /// Truncated SVD of the gate matrix.
+    LowRank,
+    /// Stacked learned sign-bit hashing.
+    Hashing,
+}
+
+impl PredictorKind {
+    /// Every kind, in report order.
+    pub const ALL: [PredictorKind; 2] = [PredictorKind::LowRank, PredictorKind::Hashing];
+
+    /// Short lowercase name (`lowrank`, `hashing`), as in tensor names and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            PredictorKind::LowRank => "lowrank",
+            PredictorKind::Hashing => "hashing",
+        }
+    }
+}
+
+impl std::fmt::Display for PredictorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// What one predictor is and how well it did.
@@ -263,15 +292,6 @@ impl CalibrationData {
                     format!("no `{kind}` predictor in the calibration data"),
                 )
             })
-    }
-
-    /// Loads predictor `kind` from the file's tensors.
-    pub fn predictor(&self, kind: PredictorKind) -> Result<Box<dyn Predictor>> {
-        let meta = self.predictor_meta(kind)?;
-        Ok(match kind {
-            PredictorKind::LowRank => Box::new(LowRank::load(self, meta)?),
-            PredictorKind::Hashing => Box::new(Hashing::load(self, meta)?),
-        })
     }
 
     /// The tensor `name`, checked to have `dtype` and `shape`.

@@ -21,8 +21,13 @@
 //! cannot keep them. Columns are re-encoded in `down_dtype`: `f16` by default (the Q4_1 values of
 //! SmolLM2 survive with relative RMS error ~1e-4), or `q8_0` (smaller, ~4e-3). The error measured
 //! at conversion is recorded in the header (`down_error`).
+//!
+//! Dependencies point one way: backends, predictors, pipelines and tools read this format; it
+//! imports none of them (its [`synth`] generator simulates a predictor with the leaf
+//! [`crate::sparsity`] alone; only its tests drive the engine on top).
 
 mod calibration;
+mod layout;
 mod rewrite;
 pub mod synth;
 mod write;
@@ -40,8 +45,10 @@ use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
 
 pub use calibration::{
-    CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData, PredictorMeta,
+    CalDType, CalTensor, CalTensorEntry, CalTensorView, Calibration, CalibrationData,
+    PredictorKind, PredictorMeta,
 };
+pub use layout::{ChunkId, ChunkLayout};
 pub use rewrite::write_calibrated;
 pub use write::{ConvertOptions, ConvertReport, convert};
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::CpuChunks;
 use super::StreamingFfn;
 use crate::Result;
-use crate::cache::ChunkId;
+use crate::model::lsm::ChunkId;
 
 impl StreamingFfn {
     /// Resizes the neuron cache to `bytes`, rounded down to whole chunks (capped at every chunk
@@ -18,7 +18,7 @@ impl StreamingFfn {
     /// ends) are cancelled — speculation issues them again at the next layer start — and reads
     /// already started are waited for (at most one batch per I/O thread, each at most the
     /// largest merged read). With no read in flight no slot is being written, so the cache can
-    /// evict, move chunks and release memory (see [`NeuronCache::resize`]). A GPU compute is
+    /// evict, move chunks and release memory (see [`NeuronCache::resize`](crate::cache::NeuronCache::resize)). A GPU compute is
     /// dropped first (unregistering the arena, whose pages are locked while registered) and
     /// rebuilt over the resized arena after; if rebuilding fails, that error is returned and the
     /// chunks are computed on the CPU from then on.

@@ -34,6 +34,10 @@
 //! Writing streams: one tensor or one FFN layer (~100 MB for 7B) is in memory at a time; rows
 //! are generated in parallel (rayon), each from its own seeded stream, so the file depends on
 //! the seed only.
+//!
+//! Dependencies point one way: this generator uses the format (`super`) and the leaf
+//! [`crate::sparsity`] (cut-offs, recall counting), never `crate::predict`: the planted low-rank
+//! predictor is written as tensors and a [`PredictorMeta`] that `predict::load` reads back.
 
 mod plant;
 mod vocab;
@@ -49,11 +53,12 @@ use self::weights::{
     Basis, FFN_OUT, LayerPlan, NeuronOut, SIN_THETA, TAG_BETA, TAG_DIR, TAG_SIM, directions,
     resident_tensor, resident_tensors, unit,
 };
-use super::calibration::{CalDType, CalTensor, CalTensorEntry, Calibration, PredictorMeta};
+use super::calibration::{
+    CalDType, CalTensor, CalTensorEntry, Calibration, PredictorKind, PredictorMeta,
+};
 use super::write::{Out, align_up, commit};
 use super::{DownError, FfnLayout, Header, PREAMBLE_LEN, Section, TensorEntry};
 use crate::model::{Architecture, FfnActivation, ModelConfig, RopeStyle};
-use crate::predict::PredictorKind;
 use crate::quant::DType;
 use crate::{Error, Result};
 
@@ -427,7 +432,7 @@ pub fn synthesize(
 
     let partial = dst.with_extension("lsm.partial");
     let mut out = Out::create(&partial)?;
-    let mut sim_total = crate::predict::RecallCounter::default();
+    let mut sim_total = crate::sparsity::RecallCounter::default();
     let mut sim_sparsity = 0.0;
     let mut all_freqs: Vec<f32> = Vec::with_capacity(n_ff * shape.n_layers);
     let result = (|| -> Result<SynthReport> {

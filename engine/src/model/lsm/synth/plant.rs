@@ -200,7 +200,7 @@ pub(super) struct LayerSim {
     /// Score cut-off reaching the target recall on the first half of the tokens.
     pub cutoff: f32,
     /// Recall and fetch fraction of that cut-off on the second half.
-    pub recall: crate::predict::RecallCounter,
+    pub recall: crate::sparsity::RecallCounter,
     /// Share of neuron-tokens below the threshold.
     pub sparsity: f64,
 }
@@ -243,10 +243,10 @@ pub(super) fn simulate_layer(
             }
         }
     }
-    let cutoff = crate::predict::cutoff_for_recall(&mut active_scores, target_recall);
+    let cutoff = crate::sparsity::cutoff_for_recall(&mut active_scores, target_recall);
     // A non-finite cut-off cannot be stored in the JSON header; 0 fetches every neuron as well.
     let cutoff = if cutoff.is_finite() { cutoff } else { 0.0 };
-    let mut recall = crate::predict::RecallCounter::default();
+    let mut recall = crate::sparsity::RecallCounter::default();
     let scores: Vec<f32> = held.iter().map(|h| h.0).collect();
     recall.add(&scores, cutoff, |k| held[k].1);
     LayerSim {

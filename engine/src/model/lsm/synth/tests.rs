@@ -7,6 +7,7 @@ use crate::backend::cpu::Precision;
 use crate::forward::Session;
 use crate::model::lsm::LsmFile;
 use crate::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
+use crate::predict;
 use crate::sample::argmax;
 
 fn tiny(dir: &Path, seed: u64) -> (std::path::PathBuf, SynthReport) {
@@ -42,7 +43,7 @@ fn the_tiny_shape_loads_checks_out_and_is_seed_determined() {
     assert!((mean(f) - 0.6).abs() < 0.08, "mean activity {}", mean(f));
     let (hot, cold) = (mean(&f[..n / 8]), mean(&f[n - n / 8..]));
     assert!(hot > 0.9 && cold < 0.15, "hot first, skewed: {hot} {cold}");
-    cal.predictor(PredictorKind::LowRank).unwrap();
+    predict::load(&cal, PredictorKind::LowRank).unwrap();
     assert!(
         report.sim_recall > 0.9 && report.sim_fetch_fraction < 0.95,
         "{report:?}"

@@ -4,12 +4,13 @@
 use std::ops::Range;
 use std::path::Path;
 
-use crate::model::lsm::Header;
+use super::Header;
 use crate::quant::DType;
 use crate::{Error, Result};
 
-/// Identifies one chunk of one layer across the whole model: `layer * chunks_per_layer + chunk`.
-pub use crate::cache::ChunkId;
+/// One chunk of one layer across the whole model, numbered `0..total_chunks` as
+/// `layer * chunks_per_layer + chunk` ([`ChunkLayout::id`]); the neuron cache keys its slots by it.
+pub type ChunkId = u32;
 
 /// Geometry of the streamed FFN section, from the file header.
 #[derive(Clone, Debug)]
