@@ -135,6 +135,9 @@ pub struct ModelMemory {
     pub cache_wanted_bytes: u64,
     /// How the model runs: `dense`, `mmap`, `on-demand`, `prefetch` or `leanstream`.
     pub mode: String,
+    /// Bytes of dense weights the memory planner reads from storage for every token (a `dense`
+    /// model loaded under `max_bytes` that does not fit it whole); 0 when every weight is resident.
+    pub streamed_bytes_per_token: u64,
 }
 
 /// Memory held by one session (its KV cache and working buffers).

@@ -946,6 +946,15 @@ impl<M: Memory> State<M> {
         }
     }
 
+    /// What the memory planner reads per token for model `name` (0 when it is not loaded, or
+    /// keeps every weight resident).
+    fn streamed_bytes_per_token(&self, name: &str) -> u64 {
+        match self.models.get(name).map(|e| &e.slot) {
+            Some(Slot::Ready(m)) => m.model.plan().map_or(0, |p| p.streamed_bytes_per_token()),
+            _ => 0,
+        }
+    }
+
     fn memory_report(&self) -> MemoryReport {
         let f = self.memory.report();
         let mut clients: HashMap<&str, (u32, u64)> = HashMap::new();
@@ -982,6 +991,7 @@ impl<M: Memory> State<M> {
                     } else {
                         self.params.model(&m.name).mode.name().to_string()
                     },
+                    streamed_bytes_per_token: self.streamed_bytes_per_token(&m.name),
                 })
                 .collect(),
             sessions: f

@@ -96,3 +96,37 @@ fn a_neuron_cache_gets_what_the_budget_leaves_and_a_model_that_does_not_fit_is_o
         Ok(())
     })
 }
+
+#[test]
+fn a_dense_model_under_max_bytes_streams_what_does_not_fit_and_generates_the_dense_tokens()
+-> anyhow::Result<()> {
+    let file_bytes = std::fs::metadata(real_model())?.len();
+    // 60 MB of the 98 MB GGUF: the memory planner streams the layers that do not fit.
+    let max_bytes = 60_000_000u64;
+    let cfg = DaemonConfig {
+        extra: format!("[models.smollm2]\nmax_bytes = {max_bytes}\n"),
+        ..DaemonConfig::default()
+    };
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let client = Client::new(&bus).await?;
+        client.manager.load_model(MODEL).await?;
+        let report = client.manager.memory().await?;
+        let [m] = report.models.as_slice() else {
+            anyhow::bail!("one model expected: {report:?}");
+        };
+        assert_eq!(m.mode, "dense");
+        assert_eq!(m.resident_bytes, max_bytes, "the reservation is max_bytes");
+        // What does not fit is read every token: at least the file less what is kept.
+        assert!(
+            m.streamed_bytes_per_token >= file_bytes - max_bytes,
+            "{m:?}"
+        );
+        assert!(m.streamed_bytes_per_token < file_bytes, "{m:?}");
+        // The planned path computes the fully loaded model's logits: the fixture's greedy ids.
+        let out = generate_once(&client, STORY_PROMPT, 16).await?;
+        assert_eq!(out.ids, STORY_GREEDY);
+        Ok(())
+    })
+}

@@ -41,6 +41,7 @@ pub fn format_status(report: &MemoryReport) -> String {
             ("FLOOR", Align::Right),
             ("WANTED", Align::Right),
             ("TOTAL", Align::Right),
+            ("READ/TOKEN", Align::Right),
         ],
         report
             .models
@@ -54,6 +55,7 @@ pub fn format_status(report: &MemoryReport) -> String {
                     bytes(m.cache_floor_bytes),
                     bytes(m.cache_wanted_bytes),
                     bytes(m.resident_bytes.saturating_add(m.cache_bytes)),
+                    bytes(m.streamed_bytes_per_token),
                 ]
             })
             .collect(),
@@ -158,14 +160,26 @@ mod tests {
             budget_bytes: 512 << 20,
             used_bytes: 200 << 20,
             rss_bytes: 221 << 20,
-            models: vec![ModelMemory {
-                name: "smollm2".into(),
-                resident_bytes: 100 << 20,
-                cache_bytes: 60 << 20,
-                cache_floor_bytes: 2 << 20,
-                cache_wanted_bytes: 80 << 20,
-                mode: "leanstream".into(),
-            }],
+            models: vec![
+                ModelMemory {
+                    name: "smollm2".into(),
+                    resident_bytes: 100 << 20,
+                    cache_bytes: 60 << 20,
+                    cache_floor_bytes: 2 << 20,
+                    cache_wanted_bytes: 80 << 20,
+                    mode: "leanstream".into(),
+                    streamed_bytes_per_token: 0,
+                },
+                ModelMemory {
+                    name: "smollm2-small".into(),
+                    resident_bytes: 30 << 20,
+                    cache_bytes: 0,
+                    cache_floor_bytes: 0,
+                    cache_wanted_bytes: 0,
+                    mode: "dense".into(),
+                    streamed_bytes_per_token: 21 << 20,
+                },
+            ],
             sessions: vec![
                 SessionMemory {
                     path: path(1),
@@ -201,8 +215,9 @@ mod tests {
 budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB; process resident 221.0 MiB
 
 models
-MODEL    MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL
-smollm2  leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB
+MODEL          MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN
+smollm2        leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B
+smollm2-small  dense        30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB
 
 sessions
 SESSION     MODEL    CLIENT    MEMORY

@@ -12,6 +12,7 @@ pub enum DownType {
     /// ~1.06 bytes per value, relative RMS error ~4e-3 (the default: see the README's
     /// "Sparse streaming" for the measured effect on perplexity).
     #[default]
+    #[value(name = "q8_0")]
     Q8_0,
     /// 2 bytes per value, relative error ~1e-4 on Q4 sources.
     F16,

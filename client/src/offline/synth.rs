@@ -27,14 +27,18 @@ pub enum Shape {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum WeightType {
+    #[value(name = "q4_0")]
     Q4_0,
+    #[value(name = "q4_1")]
     Q4_1,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum DownType {
+    #[value(name = "q8_0")]
     Q8_0,
     F16,
+    #[value(name = "q4_0")]
     Q4_0,
 }
 
@@ -66,10 +70,10 @@ pub struct SynthArgs {
     #[arg(long)]
     pub chunk_neurons: Option<usize>,
     /// Storage type of the attention, embedding, output, gate and up matrices.
-    #[arg(long, value_enum, default_value = "q4-0")]
+    #[arg(long, value_enum, default_value = "q4_0")]
     pub weight_type: WeightType,
     /// Storage type of the FFN down columns.
-    #[arg(long, value_enum, default_value = "q8-0")]
+    #[arg(long, value_enum, default_value = "q8_0")]
     pub down_type: DownType,
     /// A GGUF or `.lsm` model whose tokenizer (and chat template) to borrow, cut to the shape's
     /// vocabulary (default for llama-7b: SmolLM2's, from models/; the tiny shape has its own).

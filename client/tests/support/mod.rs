@@ -245,6 +245,7 @@ impl MockManager {
                 cache_floor_bytes: 1 << 20,
                 cache_wanted_bytes: 3 << 20,
                 mode: "leanstream".into(),
+                streamed_bytes_per_token: 0,
             }],
             sessions: vec![],
             clients: vec![ClientMemory {
