@@ -158,3 +158,21 @@ fn lsm_keeps_tokenizer_template_and_config() {
     assert!(header.ffn.chunk_bytes.is_multiple_of(lsm::ALIGN));
     let _ = gguf::import(&src).expect("gguf import still works");
 }
+
+#[test]
+fn by_default_a_chunk_holds_as_many_q8_0_down_bundles_as_fit_one_page() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let gguf = dir.path().join("m.gguf");
+    TinyLlama::new(5)
+        .write_gguf(&gguf, DType::F32)
+        .expect("write");
+    let out = dir.path().join("m.lsm");
+    let imported = leanstream_engine::model::load_imported(&gguf).expect("import");
+    lsm::convert(&imported, &out, &Default::default(), &mut |_, _| {}).expect("convert");
+    let ffn = lsm::LsmFile::open(&out).expect("open").header.ffn;
+    assert_eq!(ffn.down_dtype, DType::Q8_0);
+    // f32 gate and up rows of 64 values (256 B each) and a q8_0 down column (2 blocks, 68 B).
+    assert_eq!(ffn.bundle_bytes, 580);
+    assert_eq!(ffn.chunk_neurons, 7, "4096 / 580");
+    assert_eq!(ffn.chunk_bytes, lsm::ALIGN);
+}
