@@ -1,5 +1,5 @@
-//! Argument errors of the daemon commands: rejected by the CLI itself (exit 2) before any bus is
-//! touched.
+//! Argument errors of the daemon and offline commands: rejected by the CLI itself (exit 2) before
+//! any bus or file is touched.
 
 use std::process::{Command, Output};
 
@@ -43,4 +43,17 @@ fn help_lists_the_daemon_commands_and_the_bus_flag() {
     ] {
         assert!(help.contains(word), "{word} missing from:\n{help}");
     }
+}
+
+#[test]
+fn storage_types_are_spelled_as_the_model_formats_spell_them() {
+    // `q8_0`, not clap's derived `q8-0`: what `convert` prints and GGUF tools call the type.
+    usage_error(
+        &["convert", "a.gguf", "-o", "b.lsm", "--down-type", "q8-0"],
+        "q8_0",
+    );
+    usage_error(&["synth", "-o", "b.lsm", "--weight-type", "q4-1"], "q4_1");
+    let out = leanstream(&["convert", "--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("q8_0") && help.contains("f16"), "{help}");
 }
