@@ -90,8 +90,9 @@ impl Unit {
     }
 }
 
-/// What the process holds besides weights, by part.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What the process holds besides weights, by part, in bytes (serialised as
+/// `{"runtime":…,"tokenizer":…,"tables":…,"session":…,"ring":…}` in `run --json`'s plan).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Floor {
     pub runtime: u64,
     pub tokenizer: u64,

@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use leanstream_engine::plan::Floor;
 use serde::Serialize;
 
 pub use cgroup::{MemoryCgroup, drop_caches};
@@ -107,9 +108,8 @@ pub struct CappedRow {
     pub tokens_decoded: u64,
     /// Held-out perplexity under the cap ÷ the fully loaded model's, less 1 (LeanStream only).
     pub nll_delta: Option<f64>,
-    /// The plan's floor by part (runtime, tokenizer, tables, session, ring) and its resident
-    /// weights, in bytes (LeanStream only).
-    pub plan_floor: Option<serde_json::Value>,
+    /// The plan's floor by part and its resident weights, in bytes (LeanStream only).
+    pub plan_floor: Option<Floor>,
     pub plan_resident_bytes: Option<u64>,
     /// What went wrong, when not completed (the child's last stderr line).
     pub note: Option<String>,
@@ -351,7 +351,7 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
             let run = run_capped(&mut leanstream_command(cfg, cap, p)?, cap, cfg.row_timeout)?;
             let parsed = parse_leanstream(&run.stdout);
             if let Some(plan) = run_json(&run.stdout).map(|v| v["plan"].clone()) {
-                ours.row.plan_floor = Some(plan["floor"].clone()).filter(|f| !f.is_null());
+                ours.row.plan_floor = serde_json::from_value(plan["floor"].clone()).ok();
                 ours.row.plan_resident_bytes = plan["resident_weight_bytes"].as_u64();
             }
             if let Some((_, _, Some(pred))) = parsed {

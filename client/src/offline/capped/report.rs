@@ -74,20 +74,18 @@ pub fn table(rows: &[CappedRow]) -> String {
 /// the resident weights, in MiB.
 pub fn floors(rows: &[CappedRow]) -> String {
     let mut s = String::new();
-    let part =
-        |f: &serde_json::Value, k: &str| f[k].as_u64().unwrap_or(0) as f64 / (1 << 20) as f64;
-    for r in rows.iter().filter(|r| r.plan_floor.is_some()) {
-        let f = r.plan_floor.as_ref().expect("filtered");
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    for (r, f) in rows.iter().filter_map(|r| Some((r, r.plan_floor?))) {
         let _ = writeln!(
             s,
             "plan at {} MB: runtime {:.1} + tokenizer {:.1} + tables {:.1} + session and KV {:.1} + ring {:.1} MiB, resident weights {:.1} MiB",
             mb(r.cap_bytes),
-            part(f, "runtime"),
-            part(f, "tokenizer"),
-            part(f, "tables"),
-            part(f, "session"),
-            part(f, "ring"),
-            r.plan_resident_bytes.unwrap_or(0) as f64 / (1 << 20) as f64,
+            mib(f.runtime),
+            mib(f.tokenizer),
+            mib(f.tables),
+            mib(f.session),
+            mib(f.ring),
+            mib(r.plan_resident_bytes.unwrap_or(0)),
         );
     }
     s
@@ -251,6 +249,7 @@ pub fn svg(rows: &[CappedRow], title: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use leanstream_engine::plan::Floor;
 
     fn row(engine: &str, cap: u64, tps: f64, outcome: Outcome) -> CappedRow {
         CappedRow {
@@ -292,5 +291,26 @@ mod tests {
         let svg = svg(&rows, "t");
         assert_eq!(svg.matches("<circle").count(), 3);
         assert!(svg.contains('×'));
+    }
+
+    #[test]
+    fn the_floor_footer_gives_each_part_of_the_rows_that_planned() {
+        let mut rows = [
+            row("leanstream", 60_000_000, 20.0, Outcome::Completed),
+            row("llama.cpp", 60_000_000, 2.0, Outcome::Completed),
+        ];
+        rows[0].plan_floor = Some(Floor {
+            runtime: 12 << 20,
+            tokenizer: 7 << 20,
+            tables: 1 << 19,
+            session: 6 << 20,
+            ring: 3 << 20,
+        });
+        rows[0].plan_resident_bytes = Some(30 << 20);
+        assert_eq!(
+            floors(&rows),
+            "plan at 60 MB: runtime 12.0 + tokenizer 7.0 + tables 0.5 + session and KV 6.0 + \
+             ring 3.0 MiB, resident weights 30.0 MiB\n"
+        );
     }
 }
