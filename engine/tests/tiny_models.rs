@@ -37,15 +37,21 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn to_lsm(src: &Path, dir: &Path, chunk_neurons: usize, down: DType) -> PathBuf {
-    let out = dir.join(format!("m-{chunk_neurons}-{down}.lsm"));
+/// Converts `src` into `dir` as `opts` says (chunk size and down type in the file name).
+fn to_lsm(src: &Path, dir: &Path, opts: &lsm::ConvertOptions) -> PathBuf {
+    let chunk = opts.chunk_neurons.map_or("page".into(), |k| k.to_string());
+    let out = dir.join(format!("m-{chunk}-{}.lsm", opts.down_dtype));
     let imported = leanstream_engine::model::load_imported(src).expect("import");
-    let opts = lsm::ConvertOptions {
+    lsm::convert(&imported, &out, opts, &mut |_, _| {}).expect("convert");
+    out
+}
+
+/// [`to_lsm`] with `chunk_neurons` per chunk and `down` columns.
+fn chunked(chunk_neurons: usize, down: DType) -> lsm::ConvertOptions {
+    lsm::ConvertOptions {
         chunk_neurons: Some(chunk_neurons),
         down_dtype: down,
-    };
-    lsm::convert(&imported, &out, &opts, &mut |_, _| {}).expect("convert");
-    out
+    }
 }
 
 #[test]
@@ -109,7 +115,7 @@ fn lsm_matches_its_source_for_every_chunk_size_and_down_type() {
         (32, DType::Q8_0, 5e-2),
         (32, DType::F32, 1e-4),
     ] {
-        let path = to_lsm(&src, dir.path(), chunk, down);
+        let path = to_lsm(&src, dir.path(), &chunked(chunk, down));
         let d = max_diff(&want, &engine_logits(&path, Precision::Exact));
         assert!(
             d < tol,
@@ -133,7 +139,7 @@ fn lsm_keeps_tokenizer_template_and_config() {
     TinyLlama::new(4)
         .write_gguf(&src, DType::Q8_0)
         .expect("write");
-    let lsm_path = to_lsm(&src, dir.path(), 16, DType::F16);
+    let lsm_path = to_lsm(&src, dir.path(), &chunked(16, DType::F16));
     let a = Model::load(&src).expect("load gguf");
     let b = Model::load(&lsm_path).expect("load lsm");
     assert_eq!(a.weights.config, b.weights.config);
@@ -166,9 +172,7 @@ fn by_default_a_chunk_holds_as_many_q8_0_down_bundles_as_fit_one_page() {
     TinyLlama::new(5)
         .write_gguf(&gguf, DType::F32)
         .expect("write");
-    let out = dir.path().join("m.lsm");
-    let imported = leanstream_engine::model::load_imported(&gguf).expect("import");
-    lsm::convert(&imported, &out, &Default::default(), &mut |_, _| {}).expect("convert");
+    let out = to_lsm(&gguf, dir.path(), &Default::default());
     let ffn = lsm::LsmFile::open(&out).expect("open").header.ffn;
     assert_eq!(ffn.down_dtype, DType::Q8_0);
     // f32 gate and up rows of 64 values (256 B each) and a q8_0 down column (2 blocks, 68 B).
