@@ -1,8 +1,40 @@
 //! End to end with the sparse streaming engine: the real model converted to `.lsm`, served in
 //! `leanstream` mode as `[models.smollm2]` configures it, through the real daemon and bus.
 
+use leanstream::contract::{MemoryReport, ModelMemory};
 use leanstream_e2e::*;
 use leanstream_engine::model::lsm::{ChunkLayout, LsmFile};
+
+/// A bus and a daemon started as `cfg` says, a client that has loaded the model, and the memory
+/// report right after the load with its one model's line. Keep it bound (not destructured with
+/// `..`): dropping it stops the daemon.
+struct Loaded {
+    client: Client,
+    report: MemoryReport,
+    model: ModelMemory,
+    // Dropped after the client: the daemon stops before its bus.
+    _daemon: Daemon,
+    _bus: Bus,
+}
+
+async fn load(cfg: &DaemonConfig) -> anyhow::Result<Loaded> {
+    let bus = Bus::start()?;
+    let daemon = Daemon::start(&bus, cfg).await?;
+    let client = Client::new(&bus).await?;
+    client.manager.load_model(MODEL).await?;
+    let report = client.manager.memory().await?;
+    let [model] = report.models.as_slice() else {
+        anyhow::bail!("one model expected: {report:?}");
+    };
+    let model = model.clone();
+    Ok(Loaded {
+        client,
+        report,
+        model,
+        _daemon: daemon,
+        _bus: bus,
+    })
+}
 
 /// `leanstream` mode with sparsity off and a quarter of the FFN as neuron cache, in a budget
 /// smaller than the model file.
@@ -24,16 +56,10 @@ fn a_leanstream_model_streams_its_ffn_and_generates_the_dense_tokens() -> anyhow
     let layout = ChunkLayout::from_header(&lsm, &header)?;
     let file_bytes = std::fs::metadata(&lsm)?.len();
     runtime().block_on(async {
-        let bus = Bus::start()?;
         // 96 MiB: less than the 131 MiB file that `dense` would keep whole.
-        let _daemon = Daemon::start(&bus, &streaming("96MiB", 0.25)).await?;
-        let client = Client::new(&bus).await?;
-        client.manager.load_model(MODEL).await?;
+        let loaded = load(&streaming("96MiB", 0.25)).await?;
+        let (client, report, m) = (&loaded.client, &loaded.report, &loaded.model);
         // The model holds its resident part (not the streamed FFN) plus the cache.
-        let report = client.manager.memory().await?;
-        let [m] = report.models.as_slice() else {
-            anyhow::bail!("one model expected: {report:?}");
-        };
         assert_eq!(m.mode, "leanstream");
         // Resident: the file less its streamed section, plus the tokenizer and tables.
         assert!(
@@ -52,7 +78,7 @@ fn a_leanstream_model_streams_its_ffn_and_generates_the_dense_tokens() -> anyhow
         assert_eq!(report.used_bytes, m.resident_bytes + m.cache_bytes);
         assert!(report.used_bytes < file_bytes);
         // With sparsity off the streamed FFN is the dense FFN: the fixture's greedy ids.
-        let out = generate_once(&client, STORY_PROMPT, 16).await?;
+        let out = generate_once(client, STORY_PROMPT, 16).await?;
         assert_eq!(out.ids, STORY_GREEDY);
         Ok(())
     })
@@ -62,22 +88,16 @@ fn a_leanstream_model_streams_its_ffn_and_generates_the_dense_tokens() -> anyhow
 fn a_neuron_cache_gets_what_the_budget_leaves_and_a_model_that_does_not_fit_is_over_budget()
 -> anyhow::Result<()> {
     runtime().block_on(async {
-        let bus = Bus::start()?;
         // The whole FFN as cache (84 MiB) beside about 50 MiB of resident weights: over 96 MiB,
         // so the cache gets what is left.
-        let _daemon = Daemon::start(&bus, &streaming("96MiB", 1.0)).await?;
-        let client = Client::new(&bus).await?;
-        client.manager.load_model(MODEL).await?;
-        let report = client.manager.memory().await?;
-        let [m] = report.models.as_slice() else {
-            anyhow::bail!("one model expected: {report:?}");
-        };
+        let loaded = load(&streaming("96MiB", 1.0)).await?;
+        let (client, report, m) = (&loaded.client, &loaded.report, &loaded.model);
         assert!(m.cache_bytes < m.cache_wanted_bytes, "{m:?}");
         assert!(m.cache_bytes >= m.cache_floor_bytes, "{m:?}");
         assert!(report.used_bytes <= report.budget_bytes, "{report:?}");
-        let out = generate_once(&client, STORY_PROMPT, 4).await?;
+        let out = generate_once(client, STORY_PROMPT, 4).await?;
         assert_eq!(out.ids, STORY_GREEDY[..4]);
-        drop(_daemon);
+        drop(loaded);
 
         // 40 MiB cannot hold the resident part: the load is refused and changes nothing.
         let bus = Bus::start()?;
@@ -108,14 +128,8 @@ fn a_dense_model_under_max_bytes_streams_what_does_not_fit_and_generates_the_den
         ..DaemonConfig::default()
     };
     runtime().block_on(async {
-        let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &cfg).await?;
-        let client = Client::new(&bus).await?;
-        client.manager.load_model(MODEL).await?;
-        let report = client.manager.memory().await?;
-        let [m] = report.models.as_slice() else {
-            anyhow::bail!("one model expected: {report:?}");
-        };
+        let loaded = load(&cfg).await?;
+        let (client, m) = (&loaded.client, &loaded.model);
         assert_eq!(m.mode, "dense");
         assert_eq!(m.resident_bytes, max_bytes, "the reservation is max_bytes");
         // What does not fit is read every token: at least the file less what is kept.
@@ -125,7 +139,7 @@ fn a_dense_model_under_max_bytes_streams_what_does_not_fit_and_generates_the_den
         );
         assert!(m.streamed_bytes_per_token < file_bytes, "{m:?}");
         // The planned path computes the fully loaded model's logits: the fixture's greedy ids.
-        let out = generate_once(&client, STORY_PROMPT, 16).await?;
+        let out = generate_once(client, STORY_PROMPT, 16).await?;
         assert_eq!(out.ids, STORY_GREEDY);
         Ok(())
     })
