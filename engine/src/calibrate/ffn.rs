@@ -57,8 +57,9 @@ impl DenseFfn {
     }
 }
 
-/// The dense FFN, with `h_i` zeroed where it is not active at `thresholds[l]` ([`crate::sparsity::is_active`]) when thresholds are given
-/// (TEAL-style magnitude sparsity). Counts how many activations it zeroed.
+/// The dense FFN, with `h_i` zeroed where it is not active at `thresholds[l]`
+/// ([`crate::sparsity::is_active`]) when thresholds are given (TEAL-style magnitude sparsity).
+/// Counts how many activations it zeroed.
 #[derive(Debug)]
 pub struct Thresholded {
     ffn: DenseFfn,

@@ -6,10 +6,10 @@
 //!    FFN input `xn` ([`Collector`]).
 //! 2. Per layer, `h = act(gate·xn) * (up·xn)` is recomputed for every recorded token. The layer's
 //!    threshold is the `sparsity` quantile of `|h|` (TEAL, arXiv 2408.14690: one magnitude cut
-//!    per layer on the down projection's input); a neuron is *active* when `h != 0` and `|h| >= threshold`
-//!    ([`crate::sparsity::is_active`], the pipeline's rule too).
-//!    ReLU models are exactly sparse and get threshold 0. Per-neuron activation frequency, mean
-//!    `|h|` and mean `|up·xn|` are recorded.
+//!    per layer on the down projection's input); a neuron is *active* when `h != 0` and
+//!    `|h| >= threshold` ([`crate::sparsity::is_active`], the pipeline's rule too). ReLU models
+//!    are exactly sparse and get threshold 0. Per-neuron activation frequency, mean `|h|` and
+//!    mean `|up·xn|` are recorded.
 //! 3. Both predictors ([`crate::predict`]) are trained on the recorded tokens, and each layer's
 //!    score cut-off is set to reach [`CalibrateOptions::target_recall`] of the active neurons.
 //! 4. On held-out text (never the calibration text) the same dense pass measures perplexity of the

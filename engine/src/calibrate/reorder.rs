@@ -16,8 +16,8 @@ pub fn by_frequency(freq: &[Vec<f32>]) -> Vec<Vec<u32>> {
 }
 
 /// Sum over the tokens of `h` (`(tokens, n_ff)`) of the number of chunks of `chunk_neurons` that
-/// hold at least one active neuron ([`crate::sparsity::is_active`] at `thr`), with neurons laid out in `order` (new position
-/// `k` holds neuron `order[k]`; `None` keeps the current order).
+/// hold at least one active neuron ([`crate::sparsity::is_active`] at `thr`), with neurons laid
+/// out in `order` (new position `k` holds neuron `order[k]`; `None` keeps the current order).
 pub fn chunks_touched(
     h: &[f32],
     n_ff: usize,

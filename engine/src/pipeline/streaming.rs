@@ -184,7 +184,8 @@ impl std::fmt::Debug for StreamingFfn {
 impl StreamingFfn {
     /// A pipeline over `sm` with `policy`, a cache of `cache_bytes` and reads served by `io`.
     /// Refuses a cache too small to hold one layer's chunks (the minimum working set,
-    /// [`ChunkLayout::floor_bytes`](crate::model::lsm::ChunkLayout::floor_bytes)), naming the bytes needed.
+    /// [`ChunkLayout::floor_bytes`](crate::model::lsm::ChunkLayout::floor_bytes)), naming the
+    /// bytes needed.
     pub fn new(
         sm: Arc<SparseModel>,
         selector: Selector,

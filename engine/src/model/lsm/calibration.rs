@@ -124,8 +124,8 @@ pub struct Calibration {
     /// Where the calibration text came from (file name, or `builtin:data/text/calibration.txt`).
     pub text_source: String,
     /// Per layer: neuron `i` is active for a token when `h_i != 0` and `|h_i| >= thresholds[l]`
-    /// ([`crate::sparsity::is_active`]), where
-    /// `h = act(gate·xn) * (up·xn)`. Zero for ReLU models (exact sparsity).
+    /// ([`crate::sparsity::is_active`]), where `h = act(gate·xn) * (up·xn)`. Zero for ReLU
+    /// models (exact sparsity).
     pub thresholds: Vec<f32>,
     /// The binary section holding the tensors.
     pub section: Option<Section>,

@@ -18,10 +18,11 @@ impl StreamingFfn {
     /// ends) are cancelled — speculation issues them again at the next layer start — and reads
     /// already started are waited for (at most one batch per I/O thread, each at most the
     /// largest merged read). With no read in flight no slot is being written, so the cache can
-    /// evict, move chunks and release memory (see [`NeuronCache::resize`](crate::cache::NeuronCache::resize)). A GPU compute is
-    /// dropped first (unregistering the arena, whose pages are locked while registered) and
-    /// rebuilt over the resized arena after; if rebuilding fails, that error is returned and the
-    /// chunks are computed on the CPU from then on.
+    /// evict, move chunks and release memory (see
+    /// [`NeuronCache::resize`](crate::cache::NeuronCache::resize)). A GPU compute is dropped
+    /// first (unregistering the arena, whose pages are locked while registered) and rebuilt over
+    /// the resized arena after; if rebuilding fails, that error is returned and the chunks are
+    /// computed on the CPU from then on.
     pub fn resize_cache(&mut self, bytes: usize) -> Result<usize> {
         // Refuse a size below the floor before quiescing: a refusal changes nothing.
         self.cache.slots_for(bytes as u64)?;
