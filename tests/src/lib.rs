@@ -44,22 +44,18 @@ pub fn real_model() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
-/// The real model converted to `.lsm` (default chunking, f16 down columns, not calibrated) once
-/// per test binary; under a second in the test profile. F16 columns, not the default q8_0: with
-/// sparsity off the streamed FFN then computes the GGUF's own greedy ids, which the tests compare
-/// against (q8_0 columns change the story prompt's 13th token).
+/// The real model converted to `.lsm` once per test binary with f16 down columns: with sparsity
+/// off the streamed FFN then computes the GGUF's own greedy ids, which the tests compare against
+/// ([`leanstream_engine::testing::real_lsm_in`]).
 pub fn real_lsm() -> PathBuf {
     static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
     LSM.get_or_init(|| {
         let convert = || -> Result<(tempfile::TempDir, PathBuf)> {
             let dir = tempfile::tempdir()?;
-            let out = dir.path().join("smollm2.lsm");
-            let model = leanstream_engine::model::gguf::import(&real_model())?;
-            let opts = leanstream_engine::model::lsm::ConvertOptions {
-                down_dtype: leanstream_engine::quant::DType::F16,
-                ..Default::default()
-            };
-            leanstream_engine::model::lsm::convert(&model, &out, &opts, &mut |_, _| {})?;
+            let out = leanstream_engine::testing::real_lsm_in(
+                dir.path(),
+                leanstream_engine::quant::DType::F16,
+            )?;
             Ok((dir, out))
         };
         #[allow(clippy::expect_used)]

@@ -9,9 +9,8 @@ pub fn real_gguf() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
-/// The real model converted to `.lsm` once per test binary: default chunking, f16 down columns
-/// (not the default q8_0), so that the file computes what the GGUF computes to f16 rounding and
-/// the tests can hold it to the GGUF's fixtures.
+/// The real model converted to `.lsm` once per test binary with f16 down columns, so that the
+/// tests can hold it to the GGUF's fixtures ([`leanstream_engine::testing::real_lsm_in`]).
 pub fn real_lsm() -> PathBuf {
     static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
     LSM.get_or_init(|| convert_real(leanstream_engine::quant::DType::F16))
@@ -31,14 +30,8 @@ pub fn real_lsm_default() -> PathBuf {
 
 fn convert_real(down_dtype: leanstream_engine::quant::DType) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("temp dir");
-    let out = dir.path().join("smollm2.lsm");
-    let model = leanstream_engine::model::gguf::import(&real_gguf()).expect("import GGUF");
-    let opts = leanstream_engine::model::lsm::ConvertOptions {
-        down_dtype,
-        ..Default::default()
-    };
-    leanstream_engine::model::lsm::convert(&model, &out, &opts, &mut |_, _| {})
-        .expect("convert to .lsm");
+    let out = leanstream_engine::testing::real_lsm_in(dir.path(), down_dtype)
+        .expect("convert the real model to .lsm");
     (dir, out)
 }
 
