@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision};
 use crate::kv::{KvCache, KvType};
-use crate::model::{Down, FfnActivation, LayerWeights, Weights};
+use crate::model::{Down, LayerWeights, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 pub use planned::Planned;
@@ -132,7 +132,7 @@ impl Session {
         }
         let kv = KvCache::new(kv, c.n_layers, c.kv_dim(), max_context)?;
         let shape = Shape::new(c, max_context, down_parts());
-        let s = Scratch::new(&shape, c.rope_base, c.head_dim);
+        let s = Scratch::new(&shape, c);
         Ok(Session {
             precision,
             max_context,
@@ -242,6 +242,7 @@ impl Session {
             let s = &mut self.s;
             cpu::rmsnorm(&mut s.xn[..d], &s.x[..d], &layer.ffn_norm, eps);
             exec.ffn(l, &layer, &s.xn[..d], &mut s.proj[..d])?;
+            post_norm(&layer.post_ffn_norm, &mut s.proj[..d], d, eps);
             cpu::add_inplace(&mut s.x[..d], &s.proj[..d]);
         }
         self.pos += 1;
@@ -262,16 +263,15 @@ impl Session {
     /// `self.pos`) into the residual stream and their RoPE angles into the table.
     fn embed(&mut self, batch: &[u32]) -> Result<()> {
         let model = &self.model;
-        let s = &mut self.s;
-        let d = model.weights.config.d_model;
-        let half = s.inv_freq.len();
+        let c = &model.weights.config;
+        let d = c.d_model;
         for (t, &token) in batch.iter().enumerate() {
-            model.embed_row(token as usize, &mut s.x[t * d..(t + 1) * d])?;
-            let pos = (self.pos + t) as f32;
-            let table = &mut s.rope[t * half..(t + 1) * half];
-            for (sc, f) in table.iter_mut().zip(&s.inv_freq) {
-                *sc = (pos * f).sin_cos();
+            let x = &mut self.s.x[t * d..(t + 1) * d];
+            model.embed_row(token as usize, x)?;
+            if c.embedding_scale != 1.0 {
+                x.iter_mut().for_each(|v| *v *= c.embedding_scale);
             }
+            self.s.set_rope(t, self.pos + t);
         }
         Ok(())
     }
@@ -319,25 +319,14 @@ impl Session {
                 (&layer.wv, &mut s.v[..n * kv_dim]),
             ],
         );
-        let half = s.inv_freq.len();
         for t in 0..n {
+            let rope = s.rope_range(l, t);
             let (q, kk, v) = (
                 &mut s.q[t * q_dim..(t + 1) * q_dim],
                 &mut s.k[t * kv_dim..(t + 1) * kv_dim],
                 &mut s.v[t * kv_dim..(t + 1) * kv_dim],
             );
-            for (buf, bias) in [
-                (&mut *q, &layer.bq),
-                (&mut *kk, &layer.bk),
-                (&mut *v, &layer.bv),
-            ] {
-                if let Some(b) = bias {
-                    cpu::add_inplace(buf, b);
-                }
-            }
-            let table = &s.rope[t * half..(t + 1) * half];
-            cpu::rope(q, hd, table, c.rope_style);
-            cpu::rope(kk, hd, table, c.rope_style);
+            finish_qkv(c, layer, &s.rope[rope], q, kk, v);
 
             // KV cache write at this token's position, in the cache's type.
             self.kv.write(l, pos0 + t, kk, v);
@@ -347,6 +336,7 @@ impl Session {
         // Causal attention, one query head per task (all tokens of the batch in order, token `t`
         // seeing positions `0..=pos0 + t`); GQA maps `group` query heads to a KV head.
         let group = c.n_heads / c.n_kv_heads;
+        let window = c.layer_attention(l).window;
         let q = &s.q;
         let max_context = self.max_context;
         let att = Disjoint::new(&mut s.att);
@@ -366,13 +356,15 @@ impl Session {
                     };
                     let kv_off = (h / group) * hd;
                     let spans = kv.spans(l, pos + 1);
-                    cpu::attend_spans(k, &q[o..o + hd], spans, kv_dim, kv_off, scores, out);
+                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    cpu::attend_spans(k, &q[o..o + hd], spans, kv_dim, kv_off, first, scores, out);
                 }
             }
         });
 
         let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
         k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
+        post_norm(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
 
@@ -406,13 +398,7 @@ impl Session {
                 let xt = x.token(t, n);
                 k.rows_dot(&layer.ffn.gate, r.start, xt, g);
                 k.rows_dot(&layer.ffn.up, r.start, xt, u);
-                match activation {
-                    FfnActivation::Silu => cpu::silu_mul(g, u),
-                    FfnActivation::Relu => g
-                        .iter_mut()
-                        .zip(u.iter())
-                        .for_each(|(g, u)| *g = g.max(0.0) * u),
-                }
+                activation.gate_inplace(g, u);
             }
         });
         match &layer.ffn.down {
@@ -428,13 +414,51 @@ impl Session {
                 }
             }
         }
+        post_norm(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+    }
+}
+
+/// The steps of one token between its Q/K/V projections and attention, shared by every CPU
+/// forward pass: the biases (Qwen2), the per-head RMSNorm of Q and K (Qwen3, Gemma 3), and RoPE
+/// with the layer's `(sin, cos)` table.
+pub(crate) fn finish_qkv(
+    c: &ModelConfig,
+    layer: &LayerWeights,
+    rope: &[(f32, f32)],
+    q: &mut [f32],
+    k: &mut [f32],
+    v: &mut [f32],
+) {
+    for (buf, bias) in [
+        (&mut *q, &layer.bq),
+        (&mut *k, &layer.bk),
+        (&mut *v, &layer.bv),
+    ] {
+        if let Some(b) = bias {
+            cpu::add_inplace(buf, b);
+        }
+    }
+    for (buf, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
+        post_norm(norm, buf, c.head_dim, c.rms_eps);
+    }
+    cpu::rope(q, c.head_dim, rope, c.rope_style);
+    cpu::rope(k, c.head_dim, rope, c.rope_style);
+}
+
+/// RMSNorm in place of every `width`-value row of `x` with `norm`, when the model has it (the
+/// post-norms of Gemma 3 on a sub-block's output, its QK-norm per head); nothing otherwise.
+pub(crate) fn post_norm(norm: &Option<Vec<f32>>, x: &mut [f32], width: usize, eps: f32) {
+    if let Some(w) = norm {
+        for row in x.chunks_exact_mut(width) {
+            cpu::rmsnorm_inplace(row, w, eps);
+        }
     }
 }
 
 /// Errors if `tokens` is empty, holds an id outside the vocabulary or is longer than the `room`
 /// left in a context: what every forward pass checks before any work.
-pub fn check_tokens(c: &crate::model::ModelConfig, room: usize, tokens: &[u32]) -> Result<()> {
+pub fn check_tokens(c: &ModelConfig, room: usize, tokens: &[u32]) -> Result<()> {
     if tokens.is_empty() {
         return Err(Error::InvalidArgument {
             arg: "tokens",

@@ -7,18 +7,22 @@ use crate::model::{Down, ModelConfig, QRows, RopeStyle, Weights};
 /// One layer, dequantised. Matrices are row-major, `(rows, cols)`.
 #[derive(Debug)]
 struct Layer {
-    attn_norm: Vec<f32>,  // (d_model)
-    wq: Vec<f32>,         // (q_dim, d_model)
-    wk: Vec<f32>,         // (kv_dim, d_model)
-    wv: Vec<f32>,         // (kv_dim, d_model)
-    wo: Vec<f32>,         // (d_model, q_dim)
-    bq: Option<Vec<f32>>, // (q_dim)
-    bk: Option<Vec<f32>>, // (kv_dim)
-    bv: Option<Vec<f32>>, // (kv_dim)
-    ffn_norm: Vec<f32>,   // (d_model)
-    w_gate: Vec<f32>,     // (n_ff, d_model)
-    w_up: Vec<f32>,       // (n_ff, d_model)
-    w_down: Vec<f32>,     // (d_model, n_ff)
+    attn_norm: Vec<f32>,              // (d_model)
+    wq: Vec<f32>,                     // (q_dim, d_model)
+    wk: Vec<f32>,                     // (kv_dim, d_model)
+    wv: Vec<f32>,                     // (kv_dim, d_model)
+    wo: Vec<f32>,                     // (d_model, q_dim)
+    bq: Option<Vec<f32>>,             // (q_dim)
+    bk: Option<Vec<f32>>,             // (kv_dim)
+    bv: Option<Vec<f32>>,             // (kv_dim)
+    q_norm: Option<Vec<f32>>,         // (head_dim), per head
+    k_norm: Option<Vec<f32>>,         // (head_dim), per head
+    post_attn_norm: Option<Vec<f32>>, // (d_model)
+    ffn_norm: Vec<f32>,               // (d_model)
+    post_ffn_norm: Option<Vec<f32>>,  // (d_model)
+    w_gate: Vec<f32>,                 // (n_ff, d_model)
+    w_up: Vec<f32>,                   // (n_ff, d_model)
+    w_down: Vec<f32>,                 // (d_model, n_ff)
 }
 
 /// A model with every weight in f32, plus its KV cache: good for a few hundred tokens of testing.
@@ -64,18 +68,28 @@ fn rmsnorm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     x.iter().zip(weight).map(|(v, w)| v * scale * w).collect()
 }
 
+/// RMSNorm of every `width`-value row of `x`, when the model has the weights.
+fn norm_rows(x: &mut [f32], weight: &Option<Vec<f32>>, width: usize, eps: f32) {
+    if let Some(w) = weight {
+        for row in x.chunks_exact_mut(width) {
+            let n = rmsnorm(row, w, eps);
+            row.copy_from_slice(&n);
+        }
+    }
+}
+
 fn add_bias(x: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
         x.iter_mut().zip(b).for_each(|(v, b)| *v += b);
     }
 }
 
-/// Rotates each head of `x` by position `pos`.
-fn rope(x: &mut [f32], head_dim: usize, pos: usize, base: f32, style: RopeStyle) {
+/// Rotates each head of `x` by position `pos`, pair `i` at frequency `inv_freq[i]`.
+fn rope(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) {
     let half = head_dim / 2;
     for head in x.chunks_exact_mut(head_dim) {
-        for i in 0..half {
-            let theta = pos as f32 * base.powf(-2.0 * i as f32 / head_dim as f32);
+        for (i, f) in inv_freq.iter().enumerate() {
+            let theta = pos as f32 * f;
             let (sin, cos) = theta.sin_cos();
             let (a, b) = match style {
                 RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
@@ -114,7 +128,11 @@ impl Reference {
                 bq: l.bq.clone(),
                 bk: l.bk.clone(),
                 bv: l.bv.clone(),
+                q_norm: l.q_norm.clone(),
+                k_norm: l.k_norm.clone(),
+                post_attn_norm: l.post_attn_norm.clone(),
                 ffn_norm: l.ffn_norm.clone(),
+                post_ffn_norm: l.post_ffn_norm.clone(),
                 w_gate: dequantize(&l.ffn.gate),
                 w_up: dequantize(&l.ffn.up),
                 w_down: match &l.ffn.down {
@@ -148,10 +166,17 @@ impl Reference {
 
         // Token embedding.
         let t = token as usize;
-        let mut x = self.token_embd[t * d..(t + 1) * d].to_vec();
+        let mut x: Vec<f32> = self.token_embd[t * d..(t + 1) * d]
+            .iter()
+            .map(|v| v * c.embedding_scale)
+            .collect();
 
         for (l, layer) in self.layers.iter().enumerate() {
-            // Attention: RMSNorm, Q/K/V projections (+ bias), RoPE on Q and K.
+            // Attention: RMSNorm, Q/K/V projections (+ bias), per-head norm of Q and K, RoPE
+            // with the layer's frequencies; a local layer sees only its window.
+            let how = c.layer_attention(l);
+            let inv_freq = c.rope_inv_freq(how);
+            let first = how.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let xn = rmsnorm(&x, &layer.attn_norm, c.rms_eps);
             let mut q = vec![0f32; c.q_dim()];
             let mut k = vec![0f32; kv_dim];
@@ -162,20 +187,22 @@ impl Reference {
             add_bias(&mut q, &layer.bq);
             add_bias(&mut k, &layer.bk);
             add_bias(&mut v, &layer.bv);
-            rope(&mut q, hd, pos, c.rope_base, c.rope_style);
-            rope(&mut k, hd, pos, c.rope_base, c.rope_style);
+            norm_rows(&mut q, &layer.q_norm, hd, c.rms_eps);
+            norm_rows(&mut k, &layer.k_norm, hd, c.rms_eps);
+            rope(&mut q, hd, pos, &inv_freq, c.rope_style);
+            rope(&mut k, hd, pos, &inv_freq, c.rope_style);
 
             // KV cache write.
             self.key_cache[l].extend_from_slice(&k);
             self.value_cache[l].extend_from_slice(&v);
             let (keys, values) = (&self.key_cache[l], &self.value_cache[l]);
 
-            // Causal attention per query head over positions 0..=pos.
+            // Causal attention per query head over positions first..=pos.
             let mut att_out = vec![0f32; c.q_dim()];
             for h in 0..c.n_heads {
                 let kv_off = (h / group) * hd;
                 let qh = &q[h * hd..(h + 1) * hd];
-                let mut scores: Vec<f32> = (0..=pos)
+                let mut scores: Vec<f32> = (first..=pos)
                     .map(|p| {
                         let kh = &keys[p * kv_dim + kv_off..p * kv_dim + kv_off + hd];
                         qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()
@@ -183,18 +210,20 @@ impl Reference {
                     .collect();
                 softmax(&mut scores);
                 let out = &mut att_out[h * hd..(h + 1) * hd];
-                for (p, s) in scores.iter().enumerate() {
+                for (p, s) in (first..=pos).zip(&scores) {
                     let vh = &values[p * kv_dim + kv_off..p * kv_dim + kv_off + hd];
                     out.iter_mut().zip(vh).for_each(|(o, v)| *o += s * v);
                 }
             }
 
-            // Output projection and residual.
+            // Output projection, post-norm, residual.
             let mut proj = vec![0f32; d];
             matmul(&mut proj, &layer.wo, &att_out);
+            norm_rows(&mut proj, &layer.post_attn_norm, d, c.rms_eps);
             x.iter_mut().zip(&proj).for_each(|(a, b)| *a += b);
 
-            // FFN: RMSNorm, gated activation (SwiGLU or ReLU), down projection, residual.
+            // FFN: RMSNorm, gated activation (SwiGLU, ReLU or GeGLU), down projection,
+            // post-norm, residual.
             let xn = rmsnorm(&x, &layer.ffn_norm, c.rms_eps);
             let mut gate = vec![0f32; c.n_ff];
             let mut up = vec![0f32; c.n_ff];
@@ -207,6 +236,7 @@ impl Reference {
                 .collect();
             let mut down = vec![0f32; d];
             matmul(&mut down, &layer.w_down, &act);
+            norm_rows(&mut down, &layer.post_ffn_norm, d, c.rms_eps);
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
 

@@ -49,7 +49,7 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 fn an_f32_cache_across_blocks_matches_the_reference() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tokens = long_tokens(3 * KV_BLOCK_TOKENS + 10);
-    for arch in [TinyArch::Llama, TinyArch::Qwen2] {
+    for arch in TinyArch::ALL {
         let model = tiny(dir.path(), arch);
         let mut r = Reference::new(&model.weights);
         let want: Vec<Vec<f32>> = tokens.iter().map(|&t| r.forward(t)).collect();
@@ -66,7 +66,7 @@ fn an_f32_cache_across_blocks_matches_the_reference() {
 fn f16_and_q8_0_caches_stay_close_to_f32_on_tiny_models() {
     let dir = tempfile::tempdir().expect("tempdir");
     let tokens = long_tokens(2 * KV_BLOCK_TOKENS + 5);
-    for arch in [TinyArch::Llama, TinyArch::Qwen2] {
+    for arch in TinyArch::ALL {
         let model = tiny(dir.path(), arch);
         let exact = logits(&model, KvType::F32, &tokens);
         // Measured 7.3e-4 (f16) and 2.0e-2 (q8_0) on the Llama-style model.

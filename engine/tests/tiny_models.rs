@@ -1,5 +1,6 @@
 //! Every faster path against the reference forward pass on seeded tiny models: all tensor types,
-//! both RoPE styles (llama GGUF, qwen2 with biases), GGUF vs safetensors vs `.lsm`, every chunk size.
+//! every architecture flavour (llama GGUF, qwen2 with biases, qwen3 with QK-norm, gemma3 with
+//! post-norms, GeGLU and a sliding window), GGUF vs safetensors vs `.lsm`, every chunk size.
 
 use std::path::{Path, PathBuf};
 
@@ -57,7 +58,7 @@ fn chunked(chunk_neurons: usize, down: DType) -> lsm::ConvertOptions {
 #[test]
 fn engine_matches_reference_for_every_tensor_type_and_architecture() {
     let dir = tempfile::tempdir().expect("tempdir");
-    for arch in [TinyArch::Llama, TinyArch::Qwen2] {
+    for arch in TinyArch::ALL {
         for dtype in DType::ALL {
             let path = dir.path().join(format!("{arch:?}-{dtype}.gguf"));
             TinyLlama::with_arch(11, arch)
@@ -129,6 +130,71 @@ fn lsm_matches_its_source_for_every_chunk_size_and_down_type() {
             r < 1e-4,
             "chunk {chunk}, down {down}: engine vs reference on .lsm {r}"
         );
+    }
+}
+
+#[test]
+fn lsm_of_every_architecture_matches_its_source() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in TinyArch::ALL {
+        let src = dir.path().join(format!("{arch:?}.gguf"));
+        TinyLlama::with_arch(8, arch)
+            .write_gguf(&src, DType::Q8_0)
+            .expect("write");
+        let path = to_lsm(&src, dir.path(), &chunked(16, DType::F32));
+        let d = max_diff(
+            &engine_logits(&src, Precision::Exact),
+            &engine_logits(&path, Precision::Exact),
+        );
+        assert!(d < 1e-4, "{arch:?}: .lsm differs from its GGUF by {d}");
+        let a = Model::load(&src).expect("load gguf");
+        let b = Model::load(&path).expect("load lsm");
+        assert_eq!(a.weights.config, b.weights.config, "{arch:?}");
+    }
+}
+
+/// The architecture features are not no-ops: each one changes the logits of a tiny model (so
+/// the tests above, which compare paths that share the config, would see a path ignoring one).
+#[test]
+fn every_architecture_feature_changes_the_logits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = TinyLlama::with_arch(9, TinyArch::Gemma3);
+    let path = dir.path().join("gemma.gguf");
+    tiny.write_gguf(&path, DType::F32).expect("write");
+    let model = Model::load(&path).expect("load");
+    let want = {
+        let mut r = Reference::new(&model.weights);
+        TOKENS.iter().map(|&t| r.forward(t)).collect::<Vec<_>>()
+    };
+    type Edit = fn(&mut leanstream_engine::model::Weights);
+    let edits: [(&str, Edit); 6] = [
+        ("qk-norm", |w| {
+            w.config.qk_norm = false;
+            w.layers.iter_mut().for_each(|l| (l.q_norm, l.k_norm) = (None, None));
+        }),
+        ("post-norms", |w| {
+            w.config.post_norms = false;
+            w.layers
+                .iter_mut()
+                .for_each(|l| (l.post_attn_norm, l.post_ffn_norm) = (None, None));
+        }),
+        ("embedding scale", |w| w.config.embedding_scale = 1.0),
+        ("sliding window", |w| w.config.sliding_window = None),
+        ("local rope base", |w| {
+            if let Some(sw) = &mut w.config.sliding_window {
+                sw.rope_base = w.config.rope_base;
+            }
+        }),
+        ("activation", |w| {
+            w.config.activation = leanstream_engine::model::FfnActivation::Silu
+        }),
+    ];
+    for (what, edit) in edits {
+        let mut w = model.weights.clone();
+        edit(&mut w);
+        let mut r = Reference::new(&w);
+        let got: Vec<Vec<f32>> = TOKENS.iter().map(|&t| r.forward(t)).collect();
+        assert!(max_diff(&want, &got) > 1e-3, "{what} changes nothing");
     }
 }
 

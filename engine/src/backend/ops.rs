@@ -287,7 +287,7 @@ impl KernelOps for CpuOps {
         let mut scores = vec![0.0; shape.n_pos];
         for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
             let kv_off = (h / group) * hd;
-            cpu::attend(qh, keys, values, shape.kv_dim(), kv_off, &mut scores, oh);
+            cpu::attend(qh, keys, values, shape.kv_dim(), kv_off, 0, &mut scores, oh);
         }
         Ok(out)
     }

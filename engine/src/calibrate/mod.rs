@@ -250,7 +250,7 @@ pub fn calibrate(
         let (h, abs_u) = layer::activations(lw, c.activation, &xs);
         let thr = match c.activation {
             FfnActivation::Relu => 0.0,
-            FfnActivation::Silu => layer::threshold(&h, opts.sparsity),
+            FfnActivation::Silu | FfnActivation::GeluTanh => layer::threshold(&h, opts.sparsity),
         };
         thresholds.push(thr);
         let stats = layer::neuron_stats(&h, &abs_u, n_ff, thr);

@@ -7,6 +7,7 @@
 //! keys and values). Its logits agree with `Session` in exact precision to float rounding (tested).
 
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
+use crate::forward::{finish_qkv, post_norm};
 use crate::model::{LayerWeights, Weights};
 use crate::{Error, Result};
 
@@ -38,7 +39,8 @@ pub struct WindowForward<'w> {
     scores: Vec<f32>, // (n_heads, max_window)
     out: Vec<f32>,    // (d_model) FFN output of one token
     logits: Vec<f32>, // (BATCH, vocab)
-    inv_freq: Vec<f32>,
+    /// Per layer, the RoPE frequencies it rotates with.
+    inv_freq: Vec<Vec<f32>>,
     acts: QuantizedActs,
     kernels: &'static Kernels,
 }
@@ -67,8 +69,8 @@ impl<'w> WindowForward<'w> {
             scores: vec![0.0; c.n_heads * n],
             out: vec![0.0; c.d_model],
             logits: vec![0.0; BATCH * c.vocab_size],
-            inv_freq: (0..c.head_dim / 2)
-                .map(|i| c.rope_base.powf(-2.0 * i as f32 / c.head_dim as f32))
+            inv_freq: (0..c.n_layers)
+                .map(|l| c.rope_inv_freq(c.layer_attention(l)))
                 .collect(),
             acts: QuantizedActs::new(0),
             kernels: Kernels::best(),
@@ -102,16 +104,20 @@ impl<'w> WindowForward<'w> {
         let d = c.d_model;
         for (x, &t) in self.x.chunks_exact_mut(d).zip(tokens) {
             self.w.token_embd.dequantize_row(t as usize, x);
+            if c.embedding_scale != 1.0 {
+                x.iter_mut().for_each(|v| *v *= c.embedding_scale);
+            }
         }
         let w = self.w;
         for (l, layer) in w.layers.iter().enumerate() {
-            self.attention(layer, n);
+            self.attention(l, layer, n);
             for t in 0..n {
                 let x = &mut self.x[t * d..(t + 1) * d];
                 exec.begin_layer(l, x);
                 let xn = &mut self.xn[t * d..(t + 1) * d];
                 cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
                 exec.ffn(l, layer, xn, &mut self.out)?;
+                post_norm(&layer.post_ffn_norm, &mut self.out, d, c.rms_eps);
                 cpu::add_inplace(x, &self.out);
             }
         }
@@ -154,8 +160,8 @@ impl<'w> WindowForward<'w> {
         Ok((sum, n))
     }
 
-    /// The attention block of one layer for tokens `0..n` (positions `0..n`), added to `x`.
-    fn attention(&mut self, layer: &LayerWeights, n: usize) {
+    /// The attention block of layer `l` for tokens `0..n` (positions `0..n`), added to `x`.
+    fn attention(&mut self, l: usize, layer: &LayerWeights, n: usize) {
         let c = &self.w.config;
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let k = self.kernels;
@@ -184,30 +190,21 @@ impl<'w> WindowForward<'w> {
                 ],
             );
         }
-        let half = self.inv_freq.len();
+        let half = c.head_dim / 2;
         let mut table = vec![(0f32, 1f32); half];
         for t in 0..n {
-            for (sc, f) in table.iter_mut().zip(&self.inv_freq) {
+            for (sc, f) in table.iter_mut().zip(&self.inv_freq[l]) {
                 *sc = (t as f32 * f).sin_cos();
             }
             let q = &mut self.q[t * q_dim..(t + 1) * q_dim];
             let kk = &mut self.k[t * kv_dim..(t + 1) * kv_dim];
             let v = &mut self.v[t * kv_dim..(t + 1) * kv_dim];
-            for (buf, bias) in [
-                (&mut *q, &layer.bq),
-                (&mut *kk, &layer.bk),
-                (&mut *v, &layer.bv),
-            ] {
-                if let Some(b) = bias {
-                    cpu::add_inplace(buf, b);
-                }
-            }
-            cpu::rope(q, hd, &table, c.rope_style);
-            cpu::rope(kk, hd, &table, c.rope_style);
+            finish_qkv(c, layer, &table, q, kk, v);
         }
 
         // Causal attention, one query head per task; GQA maps `group` query heads to a KV head.
         let group = c.n_heads / c.n_kv_heads;
+        let window = c.layer_attention(l).window;
         let (q, keys, values) = (&self.q, &self.k, &self.v);
         let max_window = self.max_window;
         let att = Disjoint::new(&mut self.att);
@@ -225,7 +222,17 @@ impl<'w> WindowForward<'w> {
                             all_scores.range(h * max_window..h * max_window + t + 1),
                         )
                     };
-                    cpu::attend(&q[o..o + hd], keys, values, kv_dim, kv_off, scores, out);
+                    let first = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                    cpu::attend(
+                        &q[o..o + hd],
+                        keys,
+                        values,
+                        kv_dim,
+                        kv_off,
+                        first,
+                        scores,
+                        out,
+                    );
                 }
             }
         });
@@ -238,6 +245,7 @@ impl<'w> WindowForward<'w> {
             );
             k.matmats(x, m, [(&layer.wo, &mut self.proj[s * d..(s + m) * d])]);
         }
+        post_norm(&layer.post_attn_norm, &mut self.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut self.x[..n * d], &self.proj[..n * d]);
     }
 }

@@ -11,21 +11,22 @@ use crate::model::ModelConfig;
 /// token `t` of a batch owns `[t * len..(t + 1) * len]`.
 #[derive(Debug)]
 pub(super) struct Scratch {
-    pub x: Vec<f32>,           // (MAX_BATCH, d_model) residual stream
-    pub xn: Vec<f32>,          // (MAX_BATCH, d_model) normalised input of a sub-block
-    pub q: Vec<f32>,           // (MAX_BATCH, q_dim)
-    pub k: Vec<f32>,           // (MAX_BATCH, kv_dim)
-    pub v: Vec<f32>,           // (MAX_BATCH, kv_dim)
-    pub att: Vec<f32>,         // (MAX_BATCH, q_dim) attention output, all heads
-    pub scores: Vec<f32>,      // (n_heads, max_context) attention weights
+    pub x: Vec<f32>,               // (MAX_BATCH, d_model) residual stream
+    pub xn: Vec<f32>,              // (MAX_BATCH, d_model) normalised input of a sub-block
+    pub q: Vec<f32>,               // (MAX_BATCH, q_dim)
+    pub k: Vec<f32>,               // (MAX_BATCH, kv_dim)
+    pub v: Vec<f32>,               // (MAX_BATCH, kv_dim)
+    pub att: Vec<f32>,             // (MAX_BATCH, q_dim) attention output, all heads
+    pub scores: Vec<f32>,          // (n_heads, max_context) attention weights
     pub proj: Vec<f32>, // (MAX_BATCH, d_model) output of a projection before the residual add
     pub gate: Vec<f32>, // (MAX_BATCH, n_ff)
     pub up: Vec<f32>,   // (MAX_BATCH, n_ff)
     pub partials: Vec<f32>, // (n_parts, d_model) per-task sums of neuron-major down columns
     pub logits: Vec<f32>, // (vocab) of the last token of a batch
     pub acts: QuantizedActs, // (MAX_BATCH, longest input) activations quantised for Fast
-    pub inv_freq: Vec<f32>, // (head_dim / 2) RoPE frequencies
-    pub rope: Vec<(f32, f32)>, // (MAX_BATCH, head_dim / 2) (sin, cos) of each token's position
+    pub rope_freqs: Vec<Vec<f32>>, // (tables, head_dim / 2) RoPE frequencies
+    pub rope_of_layer: Vec<usize>, // (n_layers) the table each layer rotates with
+    pub rope: Vec<(f32, f32)>, // (tables, MAX_BATCH, head_dim / 2) (sin, cos) per token
 }
 
 /// The length of every scratch buffer, in elements: the one place their sizes are decided, so
@@ -40,7 +41,9 @@ pub(super) struct Shape {
     partials: usize, // n_parts * d_model
     vocab: usize,    // logits
     acts: usize,     // longest activation vector of a batch
-    half: usize,     // head_dim / 2: inv_freq, and rope per token
+    half: usize,     // head_dim / 2: a RoPE table, and rope per token of it
+    tables: usize,   // distinct RoPE tables (1, or 2 with sliding-window layers)
+    n_layers: usize, // rope_of_layer
 }
 
 impl Shape {
@@ -56,6 +59,8 @@ impl Shape {
             vocab: c.vocab_size,
             acts: MAX_BATCH * c.d_model.max(c.n_ff).max(c.q_dim()),
             half: c.head_dim / 2,
+            tables: c.rope_tables().0.len(),
+            n_layers: c.n_layers,
         }
     }
 
@@ -69,19 +74,20 @@ impl Shape {
             + self.scores
             + self.partials
             + self.vocab
-            + self.half;
-        (floats * size_of::<f32>() + b * self.half * size_of::<(f32, f32)>()) as u64
+            + self.tables * self.half;
+        (floats * size_of::<f32>()
+            + self.tables * b * self.half * size_of::<(f32, f32)>()
+            + self.tables * size_of::<Vec<f32>>()
+            + self.n_layers * size_of::<usize>()) as u64
             + QuantizedActs::bytes_for(self.acts)
     }
 }
 
 impl Scratch {
-    /// Allocates the buffers of `shape`; `rope_base` and `head_dim` set the RoPE frequencies.
-    pub fn new(shape: &Shape, rope_base: f32, head_dim: usize) -> Scratch {
+    /// Allocates the buffers of `shape`, the shape of `c`, with `c`'s RoPE tables.
+    pub fn new(shape: &Shape, c: &ModelConfig) -> Scratch {
         let b = MAX_BATCH;
-        let inv_freq: Vec<f32> = (0..shape.half)
-            .map(|i| rope_base.powf(-2.0 * i as f32 / head_dim as f32))
-            .collect();
+        let (rope_freqs, rope_of_layer) = c.rope_tables();
         Scratch {
             x: vec![0.0; b * shape.d_model],
             xn: vec![0.0; b * shape.d_model],
@@ -96,8 +102,9 @@ impl Scratch {
             partials: vec![0.0; shape.partials],
             logits: vec![0.0; shape.vocab],
             acts: QuantizedActs::new(shape.acts),
-            rope: vec![(0.0, 1.0); b * shape.half],
-            inv_freq,
+            rope: vec![(0.0, 1.0); shape.tables * b * shape.half],
+            rope_freqs,
+            rope_of_layer,
         }
     }
 
@@ -116,12 +123,33 @@ impl Scratch {
             &self.up,
             &self.partials,
             &self.logits,
-            &self.inv_freq,
         ]
         .iter()
         .map(|v| v.capacity())
-        .sum::<usize>();
-        (floats * size_of::<f32>() + self.rope.capacity() * size_of::<(f32, f32)>()) as u64
+        .sum::<usize>()
+            + self.rope_freqs.iter().map(Vec::capacity).sum::<usize>();
+        (floats * size_of::<f32>()
+            + self.rope.capacity() * size_of::<(f32, f32)>()
+            + self.rope_freqs.capacity() * size_of::<Vec<f32>>()
+            + self.rope_of_layer.capacity() * size_of::<usize>()) as u64
             + self.acts.bytes()
+    }
+
+    /// Where in `rope` the `(sin, cos)` pairs of token `t` of the batch for layer `l` are.
+    pub fn rope_range(&self, l: usize, t: usize) -> std::ops::Range<usize> {
+        let half = self.rope_freqs[0].len();
+        let at = (self.rope_of_layer[l] * MAX_BATCH + t) * half;
+        at..at + half
+    }
+
+    /// Fills every RoPE table's `(sin, cos)` pairs of token `t` of the batch at position `pos`.
+    pub fn set_rope(&mut self, t: usize, pos: usize) {
+        let half = self.rope_freqs[0].len();
+        for (j, freqs) in self.rope_freqs.iter().enumerate() {
+            let at = (j * MAX_BATCH + t) * half;
+            for (sc, f) in self.rope[at..at + half].iter_mut().zip(freqs) {
+                *sc = (pos as f32 * f).sin_cos();
+            }
+        }
     }
 }

@@ -2,12 +2,48 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Supported architecture families.
+/// Supported architecture families. The name is what a model *is*, for display; what the forward
+/// pass does is said by the feature fields of [`ModelConfig`] (QK-norm, post-norms, sliding
+/// windows, …), which the importers set from the architecture, so no forward pass matches on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Architecture {
-    /// Llama 2/3, Mistral, Qwen2/2.5 (with QKV bias), SmolLM: RMSNorm, RoPE, GQA, gated FFN.
+    /// Llama 2/3, Mistral, SmolLM (and Qwen2 files written before the architecture was told
+    /// apart): RMSNorm, RoPE, GQA, gated FFN.
     Llama,
+    /// Qwen2/2.5: Llama with Q/K/V biases and half-split RoPE.
+    Qwen2,
+    /// Qwen3: Llama with per-head RMSNorm on Q and K, half-split RoPE, no biases.
+    Qwen3,
+    /// Gemma 3: GeGLU, norms before and after attention and FFN, QK-norm, embeddings scaled by
+    /// √d, sliding-window layers with their own RoPE base between global ones, tied embeddings.
+    Gemma3,
+}
+
+impl Architecture {
+    /// Lower-case name, as in GGUF's `general.architecture`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Local attention on some layers: a token sees only the last `window` positions (itself
+/// included), and those layers rotate with their own RoPE base. Layer `l` is global (full
+/// context, [`ModelConfig::rope_base`]) when `(l + 1) % global_every == 0`, local otherwise
+/// (Gemma 3: five local layers, then one global).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    /// Positions a local layer sees, the query's own included.
+    pub window: usize,
+    /// Every `global_every`-th layer is global.
+    pub global_every: usize,
+    /// RoPE base of the local layers.
+    pub rope_base: f32,
 }
 
 /// How RoPE pairs the dimensions of a head.
@@ -28,6 +64,8 @@ pub enum FfnActivation {
     Silu,
     /// ReLU-gated FFN (exactly sparse).
     Relu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
 }
 
 /// Model dimensions and constants.
@@ -52,6 +90,39 @@ pub struct ModelConfig {
     pub activation: FfnActivation,
     /// The output head reuses the token embedding.
     pub tied_embeddings: bool,
+    /// Per-head RMSNorm of Q and K after their projections (weights `attn_{q,k}_norm`, one
+    /// `head_dim` vector each, shared by all heads): Qwen3, Gemma 3.
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and FFN outputs before each residual add (weights
+    /// `post_attention_norm`, `post_ffw_norm`): Gemma 3.
+    #[serde(default)]
+    pub post_norms: bool,
+    /// Factor the token embedding is multiplied by on the way in (√d_model for Gemma, else 1).
+    #[serde(default = "one")]
+    pub embedding_scale: f32,
+    /// Local attention on some layers (Gemma 3); `None`: every layer sees the whole context.
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindow>,
+    /// Per-pair divisors of the global layers' RoPE frequencies (`head_dim / 2` values): Llama 3.x
+    /// frequency scaling (`rope_freqs.weight`), or a linear scaling factor repeated. `None`: 1.
+    #[serde(default)]
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+/// How one layer attends: how far back it sees and its RoPE frequencies' base.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    /// Positions it sees (the query's own included); `None`: the whole context.
+    pub window: Option<usize>,
+    /// RoPE base.
+    pub rope_base: f32,
+    /// Whether [`ModelConfig::rope_freq_factors`] apply (global layers only).
+    pub scaled: bool,
 }
 
 impl ModelConfig {
@@ -96,7 +167,111 @@ impl ModelConfig {
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0 && self.rms_eps < 1.0) {
             return Err(format!("rms_eps {} is out of range", self.rms_eps));
         }
+        if !(self.embedding_scale.is_finite() && self.embedding_scale > 0.0) {
+            return Err(format!(
+                "embedding_scale {} is not a positive number",
+                self.embedding_scale
+            ));
+        }
+        if let Some(w) = &self.sliding_window
+            && (w.window == 0
+                || w.global_every == 0
+                || !(w.rope_base.is_finite() && w.rope_base > 0.0))
+        {
+            return Err(format!("sliding window {w:?} is out of range"));
+        }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 {
+                return Err(format!(
+                    "{} RoPE frequency factors for {} pairs per head",
+                    f.len(),
+                    self.head_dim / 2
+                ));
+            }
+            if let Some(bad) = f.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+                return Err(format!(
+                    "RoPE frequency factor {bad} is not a positive number"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// A Llama-shaped config of zeros with every optional feature off, for struct-update syntax
+    /// (`ModelConfig { n_layers: 2, …, ..ModelConfig::without_features() }`): the importers of
+    /// formats that describe only Llama-family models fill in the rest.
+    pub fn without_features() -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            n_layers: 0,
+            d_model: 0,
+            n_ff: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            vocab_size: 0,
+            context_length: 0,
+            rope_base: 10000.0,
+            rope_style: RopeStyle::HalfSplit,
+            rms_eps: 1e-6,
+            activation: FfnActivation::Silu,
+            tied_embeddings: false,
+            qk_norm: false,
+            post_norms: false,
+            embedding_scale: 1.0,
+            sliding_window: None,
+            rope_freq_factors: None,
+        }
+    }
+
+    /// How layer `l` attends (see [`SlidingWindow`]).
+    pub fn layer_attention(&self, l: usize) -> LayerAttention {
+        match &self.sliding_window {
+            Some(w) if !(l + 1).is_multiple_of(w.global_every) => LayerAttention {
+                window: Some(w.window),
+                rope_base: w.rope_base,
+                scaled: false,
+            },
+            _ => LayerAttention {
+                window: None,
+                rope_base: self.rope_base,
+                scaled: true,
+            },
+        }
+    }
+
+    /// The RoPE frequencies of `attention`'s layers, one per pair of a head:
+    /// `base^(-2i/head_dim) / factor_i`.
+    pub fn rope_inv_freq(&self, attention: LayerAttention) -> Vec<f32> {
+        let hd = self.head_dim;
+        (0..hd / 2)
+            .map(|i| {
+                let factor = match (&self.rope_freq_factors, attention.scaled) {
+                    (Some(f), true) => f[i],
+                    _ => 1.0,
+                };
+                attention.rope_base.powf(-2.0 * i as f32 / hd as f32) / factor
+            })
+            .collect()
+    }
+
+    /// The distinct RoPE frequency tables of the layers, and which one each layer uses: one
+    /// table for most models, two for sliding-window ones.
+    pub fn rope_tables(&self) -> (Vec<Vec<f32>>, Vec<usize>) {
+        let mut tables: Vec<Vec<f32>> = Vec::new();
+        let of_layer = (0..self.n_layers)
+            .map(|l| {
+                let t = self.rope_inv_freq(self.layer_attention(l));
+                match tables.iter().position(|have| *have == t) {
+                    Some(i) => i,
+                    None => {
+                        tables.push(t);
+                        tables.len() - 1
+                    }
+                }
+            })
+            .collect();
+        (tables, of_layer)
     }
 
     /// Width of the K and V projections.
@@ -117,6 +292,21 @@ impl FfnActivation {
         match self {
             FfnActivation::Silu => g / (1.0 + (-g).exp()),
             FfnActivation::Relu => g.max(0.0),
+            FfnActivation::GeluTanh => {
+                // 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³)))
+                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+                0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g)).tanh())
+            }
+        }
+    }
+
+    /// `gate[i] = act(gate[i]) * up[i]`: the gated FFN's elementwise step.
+    ///
+    /// Panics unless both slices have the same length.
+    pub fn gate_inplace(self, gate: &mut [f32], up: &[f32]) {
+        assert_eq!(gate.len(), up.len(), "gate and up lengths");
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = self.apply(*g) * u;
         }
     }
 }

@@ -17,7 +17,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use bytes::{OwnedBytes, TensorBytes, map_file, map_range, read_file, read_ranges};
-pub use config::{Architecture, FfnActivation, ModelConfig, RopeStyle};
+pub use config::{
+    Architecture, FfnActivation, LayerAttention, ModelConfig, RopeStyle, SlidingWindow,
+};
 pub use footprint::{ModelBytes, load_bytes_estimate};
 pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
 
@@ -62,7 +64,9 @@ pub struct ImportedModel {
     /// Tensors by canonical name: `token_embd.weight`, `output_norm.weight`, `output.weight`
     /// (absent when tied), `blk.{i}.attn_norm.weight`, `blk.{i}.attn_{q,k,v,output}.weight`,
     /// optional `blk.{i}.attn_{q,k,v}.bias`, `blk.{i}.ffn_norm.weight`,
-    /// `blk.{i}.ffn_{gate,up,down}.weight`.
+    /// `blk.{i}.ffn_{gate,up,down}.weight`; with [`ModelConfig::qk_norm`]
+    /// `blk.{i}.attn_{q,k}_norm.weight`, with [`ModelConfig::post_norms`]
+    /// `blk.{i}.post_attention_norm.weight` and `blk.{i}.post_ffw_norm.weight`.
     pub tensors: BTreeMap<String, TensorRef>,
     pub tokenizer: Tokenizer,
     /// Jinja chat template from the model's metadata, if it has one.

@@ -149,7 +149,11 @@ fn map_config(path: &Path, c: &HfConfig) -> Result<ModelConfig> {
     let d_model = req(c.hidden_size, "hidden_size")?;
     let n_heads = req(c.num_attention_heads, "num_attention_heads")?;
     let config = ModelConfig {
-        architecture: Architecture::Llama,
+        architecture: if arch == "Qwen2ForCausalLM" {
+            Architecture::Qwen2
+        } else {
+            Architecture::Llama
+        },
         n_layers: req(c.num_hidden_layers, "num_hidden_layers")?,
         d_model,
         n_ff: req(c.intermediate_size, "intermediate_size")?,
@@ -165,6 +169,7 @@ fn map_config(path: &Path, c: &HfConfig) -> Result<ModelConfig> {
         rms_eps: c.rms_norm_eps.unwrap_or(1e-6) as f32,
         activation,
         tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
+        ..ModelConfig::without_features()
     };
     config
         .validate()
@@ -359,6 +364,15 @@ pub fn write_tiny_dir(dir: &Path, tiny: &TinyLlama, dtype: DType) -> Result<()> 
     let arch = match tiny.arch {
         TinyArch::Llama => "LlamaForCausalLM",
         TinyArch::Qwen2 => "Qwen2ForCausalLM",
+        other => {
+            return Err(Error::InvalidArgument {
+                arg: "tiny",
+                reason: format!(
+                    "safetensors import reads llama and qwen2, not {}",
+                    other.name()
+                ),
+            });
+        }
     };
     let config = serde_json::json!({
         "architectures": [arch],

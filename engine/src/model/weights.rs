@@ -174,8 +174,16 @@ pub struct LayerWeights {
     pub bq: Option<Vec<f32>>, // (n_heads * head_dim), Qwen2-style bias
     pub bk: Option<Vec<f32>>, // (n_kv_heads * head_dim)
     pub bv: Option<Vec<f32>>, // (n_kv_heads * head_dim)
-    pub ffn_norm: Vec<f32>,   // (d_model)
+    /// Per-head RMSNorm weights of Q and K (`head_dim` each), when the config has `qk_norm`.
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm of the attention output before its residual add, when the config has
+    /// `post_norms` (`d_model`).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>, // (d_model)
     pub ffn: FfnWeights,
+    /// RMSNorm of the FFN output before its residual add, with `post_norms` (`d_model`).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 impl LayerWeights {
@@ -207,8 +215,29 @@ impl LayerWeights {
             bq: self.bq.clone(),
             bk: self.bk.clone(),
             bv: self.bv.clone(),
+            q_norm: self.q_norm.clone(),
+            k_norm: self.k_norm.clone(),
+            post_attn_norm: self.post_attn_norm.clone(),
             ffn_norm: self.ffn_norm.clone(),
+            post_ffn_norm: self.post_ffn_norm.clone(),
         }
+    }
+
+    /// Every f32 vector of the layer (norms and biases), for counting their bytes.
+    fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
+        [&self.attn_norm, &self.ffn_norm].into_iter().chain(
+            [
+                &self.bq,
+                &self.bk,
+                &self.bv,
+                &self.q_norm,
+                &self.k_norm,
+                &self.post_attn_norm,
+                &self.post_ffn_norm,
+            ]
+            .into_iter()
+            .flatten(),
+        )
     }
 }
 
@@ -282,6 +311,11 @@ impl TensorTable<'_> {
         Ok(v)
     }
 
+    /// The vector `name` when `present` says the model has it (a config feature), else `None`.
+    pub fn vector_if(&self, present: bool, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
+        present.then(|| self.vector(name, n)).transpose()
+    }
+
     pub fn optional_vector(&self, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
         if self.model.tensors.contains_key(name) {
             self.vector(name, n).map(Some)
@@ -346,11 +380,7 @@ impl Weights {
             for q in l.matrices() {
                 rows(q);
             }
-            tables += f32s(&l.attn_norm) + f32s(&l.ffn_norm);
-            tables += [&l.bq, &l.bk, &l.bv]
-                .iter()
-                .map(|b| b.as_ref().map_or(0, f32s))
-                .sum::<u64>();
+            tables += l.vectors().map(f32s).sum::<u64>();
         }
         out.heap += tables;
         out
@@ -410,8 +440,12 @@ impl Weights {
                 bq: t.optional_vector(&n("attn_q.bias"), q)?,
                 bk: t.optional_vector(&n("attn_k.bias"), kv)?,
                 bv: t.optional_vector(&n("attn_v.bias"), kv)?,
+                q_norm: t.vector_if(c.qk_norm, &n("attn_q_norm.weight"), c.head_dim)?,
+                k_norm: t.vector_if(c.qk_norm, &n("attn_k_norm.weight"), c.head_dim)?,
+                post_attn_norm: t.vector_if(c.post_norms, &n("post_attention_norm.weight"), d)?,
                 ffn_norm: t.vector(&n("ffn_norm.weight"), d)?,
                 ffn: ffn(l)?,
+                post_ffn_norm: t.vector_if(c.post_norms, &n("post_ffw_norm.weight"), d)?,
             });
         }
         Ok(Weights {

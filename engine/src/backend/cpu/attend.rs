@@ -40,19 +40,23 @@ pub struct KvSpan<'a> {
 /// in order: `scores[p]` becomes the softmax of `q·k_p / sqrt(head_dim)` and `out` the scores'
 /// weighted sum of values. Key and value `p` of this head are values `kv_off..kv_off + q.len()` of
 /// row `p` (rows of `kv_stride` values). Positions the spans hold beyond `scores.len()` are
-/// ignored.
+/// ignored. Positions before `first` are masked out (a sliding window; 0 sees them all): their
+/// scores become 0.
 ///
-/// Panics if the spans hold fewer positions than `scores`, `out` and `q` differ in length, or
-/// q8_0 rows are not whole blocks.
+/// Panics if the spans hold fewer positions than `scores`, `first` leaves no position,
+/// `out` and `q` differ in length, or q8_0 rows are not whole blocks.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_spans<'a>(
     k: &Kernels,
     q: &[f32],
     spans: impl Iterator<Item = KvSpan<'a>> + Clone,
     kv_stride: usize,
     kv_off: usize,
+    first: usize,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    assert!(first < scores.len(), "a window of no position");
     let hd = q.len();
     assert_eq!(out.len(), hd, "attention output of one head");
     let head = Head {
@@ -73,6 +77,7 @@ pub fn attend_spans<'a>(
         scores.len(),
         "the KV spans hold fewer positions than scores"
     );
+    scores[..first].fill(f32::NEG_INFINITY);
     softmax_inplace(scores);
     out.fill(0.0);
     let mut at = 0;
@@ -87,12 +92,14 @@ pub fn attend_spans<'a>(
 /// `keys`/`values` (rows of `kv_stride` values).
 ///
 /// Panics if the caches hold fewer positions than `scores`, or `out` and `q` differ in length.
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
     kv_stride: usize,
     kv_off: usize,
+    first: usize,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
@@ -107,6 +114,7 @@ pub fn attend(
         std::iter::once(span),
         kv_stride,
         kv_off,
+        first,
         scores,
         out,
     );
@@ -258,14 +266,14 @@ mod tests {
                 for off in (0..stride).step_by(hd) {
                     let (mut want, mut got) = (vec![0f32; hd], vec![0f32; hd]);
                     let (mut s1, mut s2) = (vec![0f32; n_pos], vec![0f32; n_pos]);
-                    attend(&q, &kd, &vd, stride, off, &mut s1, &mut want);
+                    attend(&q, &kd, &vd, stride, off, 0, &mut s1, &mut want);
                     let span = KvSpan {
                         keys: rows(dtype, &kb),
                         values: rows(dtype, &vb),
                         positions: n_pos,
                     };
                     let once = std::iter::once(span);
-                    attend_spans(Kernels::best(), &q, once, stride, off, &mut s2, &mut got);
+                    attend_spans(Kernels::best(), &q, once, stride, off, 0, &mut s2, &mut got);
                     for (a, b) in want.iter().zip(&got) {
                         assert!(
                             (a - b).abs() < 1e-5,
@@ -273,7 +281,7 @@ mod tests {
                         );
                     }
                     // Far from the f32 values of a different cache: the check can fail.
-                    attend(&q, &vd, &kd, stride, off, &mut s1, &mut want);
+                    attend(&q, &vd, &kd, stride, off, 0, &mut s1, &mut want);
                     let diff = want.iter().zip(&got).map(|(a, b)| (a - b).abs());
                     assert!(diff.fold(0.0, f32::max) > 1e-3);
                 }
@@ -288,7 +296,7 @@ mod tests {
         let q = values(hd, 6);
         let (mut want, mut got) = (vec![0f32; hd], vec![0f32; hd]);
         let (mut s1, mut s2) = (vec![0f32; n_pos], vec![0f32; n_pos]);
-        attend(&q, &keys, &vals, stride, hd, &mut s1, &mut want);
+        attend(&q, &keys, &vals, stride, hd, 0, &mut s1, &mut want);
         let split = 17 * stride;
         let spans = [
             KvSpan {
@@ -303,7 +311,7 @@ mod tests {
             },
         ];
         let k = Kernels::best();
-        attend_spans(k, &q, spans.into_iter(), stride, hd, &mut s2, &mut got);
+        attend_spans(k, &q, spans.into_iter(), stride, hd, 0, &mut s2, &mut got);
         assert_eq!(want, got);
         assert_eq!(s1, s2);
     }
@@ -321,6 +329,21 @@ mod tests {
         let (mut scores, mut out) = (vec![0f32; 5], vec![0f32; hd]);
         let q = values(hd, 3);
         let once = std::iter::once(span);
-        attend_spans(Kernels::best(), &q, once, stride, 0, &mut scores, &mut out);
+        attend_spans(Kernels::best(), &q, once, stride, 0, 0, &mut scores, &mut out);
+    }
+
+    #[test]
+    fn a_window_attends_as_if_the_earlier_positions_were_not_cached() {
+        let (stride, hd, n, first) = (64, 32, 9, 5);
+        let (keys, vals) = (values(n * stride, 4), values(n * stride, 5));
+        let q = values(hd, 6);
+        let (mut scores, mut got) = (vec![0f32; n], vec![0f32; hd]);
+        attend(&q, &keys, &vals, stride, hd, first, &mut scores, &mut got);
+        let (mut tail_scores, mut want) = (vec![0f32; n - first], vec![0f32; hd]);
+        let (k_tail, v_tail) = (&keys[first * stride..], &vals[first * stride..]);
+        attend(&q, k_tail, v_tail, stride, hd, 0, &mut tail_scores, &mut want);
+        assert_eq!(got, want);
+        assert!(scores[..first].iter().all(|&s| s == 0.0), "{scores:?}");
+        assert_eq!(scores[first..], tail_scores[..]);
     }
 }

@@ -35,6 +35,20 @@ pub fn rmsnorm(out: &mut [f32], x: &[f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// [`rmsnorm`] in place: `x[i] = x[i] / sqrt(mean(x²) + eps) * weight[i]`.
+///
+/// Panics unless `x` and `weight` have the same length.
+pub fn rmsnorm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
+    assert_eq!(x.len(), weight.len(), "rmsnorm lengths");
+    if x.is_empty() {
+        return;
+    }
+    let scale = 1.0 / (sum_squares(x) / x.len() as f32 + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = *v * scale * w;
+    }
+}
+
 /// Softmax in place, shifted by the maximum for stability. An empty slice is left alone.
 pub fn softmax_inplace(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -198,6 +198,12 @@ impl CudaBackend {
         let act = match activation {
             FfnActivation::Silu => 0i32,
             FfnActivation::Relu => 1,
+            FfnActivation::GeluTanh => {
+                return Err(Error::InvalidArgument {
+                    arg: "activation",
+                    reason: "the CUDA FFN kernels have no GeGLU yet".into(),
+                });
+            }
         };
         let (n, cn, n_ff, d) = (
             int("chunks", chunks.n)?,

@@ -17,7 +17,7 @@ use super::memory::{download, download_into, upload, zeros};
 use super::{CudaBackend, cuda};
 use crate::forward::{FfnExecutor, Model, check_tokens};
 use crate::model::lsm::ChunkLayout;
-use crate::model::{Down, ModelConfig, QRows};
+use crate::model::{Down, FfnActivation, ModelConfig, QRows};
 use crate::quant::DType;
 use crate::{Error, Result};
 
@@ -155,6 +155,28 @@ impl CudaModel {
                          weights from storage runs on the CPU (--backend cpu)"
                     .into(),
             });
+        }
+        let c = &model.weights.config;
+        let missing: Vec<&str> = [
+            (c.qk_norm, "QK-norm"),
+            (c.post_norms, "post-norms"),
+            (c.sliding_window.is_some(), "sliding-window attention"),
+            (c.rope_freq_factors.is_some(), "RoPE frequency scaling"),
+            (c.embedding_scale != 1.0, "scaled embeddings"),
+            (c.activation == FfnActivation::GeluTanh, "GeGLU"),
+        ]
+        .into_iter()
+        .filter_map(|(has, name)| has.then_some(name))
+        .collect();
+        if !missing.is_empty() {
+            return Err(Error::unsupported(
+                &model.path,
+                format!(
+                    "the CUDA backend does not run {} yet ({} model); use --backend cpu",
+                    missing.join(", "),
+                    c.architecture.name()
+                ),
+            ));
         }
         gpu.bind()?;
         let w = &model.weights;

@@ -2,8 +2,9 @@
 //! [`ModelConfig`] ([`GgufModel`]), and a small writer for tests ([`writer`]).
 //!
 //! Supported: GGUF v2 and v3; architectures `llama`, `mistral` (adjacent-pair RoPE: llama.cpp's
-//! converter permuted Q/K) and `qwen2` (half-split RoPE, Q/K/V biases); tensor types f32, f16,
-//! bf16, q8_0, q4_0, q4_1.
+//! converter permuted Q/K; Llama 3.x frequency scaling from `rope_freqs.weight`), `qwen2`
+//! (half-split RoPE, Q/K/V biases), `qwen3` (half-split RoPE, QK-norm) and `gemma3` (see
+//! [`Architecture::Gemma3`]); the tensor types of [`crate::quant::DType`].
 
 mod reader;
 mod tiny;
@@ -17,12 +18,14 @@ pub use reader::{DEFAULT_ALIGNMENT, GgufFile, GgufTensorInfo, MAGIC, MAX_DIMS};
 pub use tiny::permute_qk;
 pub use value::{Array, Value, dtype_from_ggml, ggml_type_name, ggml_type_of};
 
-use super::{Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, TensorRef};
+use super::{
+    Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, SlidingWindow, TensorRef,
+};
 use crate::tokenizer::{GgufVocab, Tokenizer};
 use crate::{Error, Result};
 
 /// Architectures (`general.architecture`) this importer maps.
-pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2";
+pub const SUPPORTED_ARCHITECTURES: &str = "llama, mistral, qwen2, qwen3, gemma3";
 
 /// Everything a GGUF file yields except the built tokenizer: config, tensors under their GGUF
 /// (canonical) names, the raw vocabulary and the chat template.
@@ -104,9 +107,11 @@ fn read_config(
     tensors: &BTreeMap<String, TensorRef>,
 ) -> Result<ModelConfig> {
     let arch = f.require_str("general.architecture")?;
-    let rope_style = match arch {
-        "llama" | "mistral" => RopeStyle::AdjacentPairs,
-        "qwen2" => RopeStyle::HalfSplit,
+    let (architecture, rope_style) = match arch {
+        "llama" | "mistral" => (Architecture::Llama, RopeStyle::AdjacentPairs),
+        "qwen2" => (Architecture::Qwen2, RopeStyle::HalfSplit),
+        "qwen3" => (Architecture::Qwen3, RopeStyle::HalfSplit),
+        "gemma3" => (Architecture::Gemma3, RopeStyle::HalfSplit),
         other => {
             return Err(Error::unsupported(
                 f.path(),
@@ -148,19 +153,6 @@ fn read_config(
             format!("partial RoPE ({r} of {head_dim} dimensions per head) is not supported"),
         ));
     }
-    let scaling = f.get_str(&key("rope.scaling.type"))?;
-    if scaling.is_some_and(|s| s != "none") || tensors.contains_key("rope_freqs.weight") {
-        return Err(Error::unsupported(
-            f.path(),
-            format!(
-                "RoPE scaling ({}) is not supported",
-                scaling.map_or("rope_freqs.weight".to_string(), |s| format!(
-                    "{}={s}",
-                    key("rope.scaling.type")
-                ))
-            ),
-        ));
-    }
     let float = |k: &str, default: Option<f32>| -> Result<f32> {
         let k = key(k);
         match (f.get_float(&k)?, default) {
@@ -172,8 +164,25 @@ fn read_config(
             )),
         }
     };
+    let rope_freq_factors = rope_freq_factors(f, &key, tensors, head_dim)?;
+    let gemma = architecture == Architecture::Gemma3;
+    let sliding_window = match opt("attention.sliding_window")? {
+        // llama.cpp's Gemma 3: five local layers, then a global one; local RoPE base 10000.
+        Some(window) if gemma => Some(SlidingWindow {
+            window,
+            global_every: opt("attention.sliding_window_pattern")?.unwrap_or(6),
+            rope_base: float("rope.freq_base_swa", Some(10_000.0))?,
+        }),
+        Some(_) => {
+            return Err(Error::unsupported(
+                f.path(),
+                format!("sliding-window attention is supported for gemma3 only, not `{arch}`"),
+            ));
+        }
+        None => None,
+    };
     let config = ModelConfig {
-        architecture: Architecture::Llama,
+        architecture,
         n_layers: req("block_count")?,
         d_model,
         n_ff: req("feed_forward_length")?,
@@ -185,8 +194,17 @@ fn read_config(
         rope_base: float("rope.freq_base", Some(10000.0))?,
         rope_style,
         rms_eps: float("attention.layer_norm_rms_epsilon", None)?,
-        activation: FfnActivation::Silu,
+        activation: if gemma {
+            FfnActivation::GeluTanh
+        } else {
+            FfnActivation::Silu
+        },
         tied_embeddings: !tensors.contains_key("output.weight"),
+        qk_norm: tensors.contains_key("blk.0.attn_q_norm.weight"),
+        post_norms: gemma,
+        embedding_scale: if gemma { (d_model as f32).sqrt() } else { 1.0 },
+        sliding_window,
+        rope_freq_factors,
     };
     config
         .validate()
@@ -202,6 +220,49 @@ fn read_config(
         ));
     }
     Ok(config)
+}
+
+/// The divisors of the RoPE frequencies: `rope_freqs.weight` (Llama 3.x, `head_dim / 2` f32
+/// values), or a linear scaling factor; an error for other scaling types.
+fn rope_freq_factors(
+    f: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    tensors: &BTreeMap<String, TensorRef>,
+    head_dim: usize,
+) -> Result<Option<Vec<f32>>> {
+    if let Some(t) = tensors.get("rope_freqs.weight") {
+        let n = head_dim / 2;
+        if t.shape != [n] || t.dtype.block_len() != 1 || t.dtype.row_bytes(n) != Some(t.data.len())
+        {
+            return Err(Error::invalid_file(
+                f.path(),
+                format!(
+                    "rope_freqs.weight is {} {:?}; expected {n} float values",
+                    t.dtype, t.shape
+                ),
+            ));
+        }
+        let mut v = vec![0f32; n];
+        crate::quant::dequantize_row(t.dtype, &t.data, &mut v);
+        return Ok(Some(v));
+    }
+    let scaling = f.get_str(&key("rope.scaling.type"))?;
+    match scaling {
+        None | Some("none") => Ok(None),
+        Some("linear") => {
+            let k = key("rope.scaling.factor");
+            let factor = f.get_float(&k)?.unwrap_or(1.0) as f32;
+            Ok((factor != 1.0).then(|| vec![factor; head_dim / 2]))
+        }
+        Some(other) => Err(Error::unsupported(
+            f.path(),
+            format!(
+                "RoPE scaling `{}={other}` is not supported (supported: none, linear, and \
+                 Llama 3's rope_freqs.weight)",
+                key("rope.scaling.type")
+            ),
+        )),
+    }
 }
 
 fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {

@@ -9,7 +9,7 @@ use std::path::Path;
 use super::value::{Array, Value};
 use super::writer::GgufWriter;
 use crate::Result;
-use crate::model::{Architecture, FfnActivation, ModelConfig, RopeStyle};
+use crate::model::{Architecture, FfnActivation, ModelConfig, RopeStyle, SlidingWindow};
 use crate::quant::DType;
 
 /// Which flavour of the Llama family a tiny model imitates.
@@ -19,6 +19,74 @@ pub enum TinyArch {
     Llama,
     /// GGUF `qwen2`: half-split RoPE, Q/K/V biases.
     Qwen2,
+    /// GGUF `qwen3`: half-split RoPE, QK-norm, no biases.
+    Qwen3,
+    /// GGUF `gemma3`: half-split RoPE, QK-norm, post-norms, GeGLU, embeddings scaled by √d, a
+    /// 4-position sliding window on every layer but each second one (local RoPE base 10000,
+    /// global 10⁶), tied embeddings.
+    Gemma3,
+}
+
+impl TinyArch {
+    /// Every flavour.
+    pub const ALL: [TinyArch; 4] = [
+        TinyArch::Llama,
+        TinyArch::Qwen2,
+        TinyArch::Qwen3,
+        TinyArch::Gemma3,
+    ];
+
+    /// GGUF architecture name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TinyArch::Llama => "llama",
+            TinyArch::Qwen2 => "qwen2",
+            TinyArch::Qwen3 => "qwen3",
+            TinyArch::Gemma3 => "gemma3",
+        }
+    }
+
+    /// The config an importer must produce for a tiny model of this flavour.
+    fn config(self, n_layers: usize) -> ModelConfig {
+        let gemma = self == TinyArch::Gemma3;
+        ModelConfig {
+            architecture: match self {
+                TinyArch::Llama => Architecture::Llama,
+                TinyArch::Qwen2 => Architecture::Qwen2,
+                TinyArch::Qwen3 => Architecture::Qwen3,
+                TinyArch::Gemma3 => Architecture::Gemma3,
+            },
+            n_layers,
+            d_model: 64,
+            n_ff: 128,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            vocab_size: 128,
+            context_length: 256,
+            rope_base: if gemma { 1_000_000.0 } else { 10000.0 },
+            rope_style: match self {
+                TinyArch::Llama => RopeStyle::AdjacentPairs,
+                _ => RopeStyle::HalfSplit,
+            },
+            rms_eps: 1e-5,
+            activation: if gemma {
+                FfnActivation::GeluTanh
+            } else {
+                FfnActivation::Silu
+            },
+            tied_embeddings: false,
+            qk_norm: matches!(self, TinyArch::Qwen3 | TinyArch::Gemma3),
+            post_norms: gemma,
+            embedding_scale: if gemma { 8.0 } else { 1.0 },
+            sliding_window: gemma.then_some(SlidingWindow {
+                window: 4,
+                global_every: 2,
+                rope_base: 10000.0,
+            }),
+            rope_freq_factors: None,
+        }
+    }
 }
 
 /// A tiny model: 2 layers, d_model 64, n_ff 128, 4 heads of 16, 2 KV heads, vocab 128, a
@@ -111,25 +179,7 @@ impl TinyLlama {
 
     /// [`TinyLlama::with_arch`] with `n_layers` layers (the first two are the same as its).
     pub fn with_layers(seed: u64, arch: TinyArch, n_layers: usize) -> TinyLlama {
-        let config = ModelConfig {
-            architecture: Architecture::Llama,
-            n_layers,
-            d_model: 64,
-            n_ff: 128,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 16,
-            vocab_size: 128,
-            context_length: 256,
-            rope_base: 10000.0,
-            rope_style: match arch {
-                TinyArch::Llama => RopeStyle::AdjacentPairs,
-                TinyArch::Qwen2 => RopeStyle::HalfSplit,
-            },
-            rms_eps: 1e-5,
-            activation: FfnActivation::Silu,
-            tied_embeddings: false,
-        };
+        let config = arch.config(n_layers);
         let mut rng = Rng(seed);
         let (d, q, kv, ff, v) = (64, 64, 32, 128, 128);
         let mut tensors = BTreeMap::new();
@@ -154,6 +204,23 @@ impl TinyLlama {
                     format!("blk.{l}.{norm}.weight"),
                     (vec![d], rng.fill(d, 0.1, 1.0)),
                 );
+            }
+            if config.post_norms {
+                for norm in ["post_attention_norm", "post_ffw_norm"] {
+                    tensors.insert(
+                        format!("blk.{l}.{norm}.weight"),
+                        (vec![d], rng.fill(d, 0.1, 1.0)),
+                    );
+                }
+            }
+            if config.qk_norm {
+                for norm in ["attn_q_norm", "attn_k_norm"] {
+                    let hd = config.head_dim;
+                    tensors.insert(
+                        format!("blk.{l}.{norm}.weight"),
+                        (vec![hd], rng.fill(hd, 0.1, 1.0)),
+                    );
+                }
             }
             if arch == TinyArch::Qwen2 {
                 for (b, n) in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)] {
@@ -180,7 +247,7 @@ impl TinyLlama {
         let token_types = (0..tokens.len())
             .map(|i| if i < 3 { 3 } else { 1 })
             .collect();
-        TinyLlama {
+        let tiny = TinyLlama {
             arch,
             config,
             tensors,
@@ -190,6 +257,11 @@ impl TinyLlama {
             bos: 1,
             eos: 2,
             chat_template: CHATML.to_string(),
+        };
+        if arch == TinyArch::Gemma3 {
+            tiny.with_tied_embeddings()
+        } else {
+            tiny
         }
     }
 
@@ -202,10 +274,7 @@ impl TinyLlama {
 
     /// GGUF architecture name.
     pub fn arch_name(&self) -> &'static str {
-        match self.arch {
-            TinyArch::Llama => "llama",
-            TinyArch::Qwen2 => "qwen2",
-        }
+        self.arch.name()
     }
 
     /// A writer holding the whole model, matrices stored as `dtype` (norms and biases f32), so
@@ -229,8 +298,16 @@ impl TinyLlama {
                 &format!("{a}.attention.layer_norm_rms_epsilon"),
                 Value::F32(c.rms_eps),
             )
-            .add(&format!("{a}.vocab_size"), u(c.vocab_size))
-            .add("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .add(&format!("{a}.vocab_size"), u(c.vocab_size));
+        if let Some(sw) = &c.sliding_window {
+            w.add(&format!("{a}.attention.sliding_window"), u(sw.window))
+                .add(
+                    &format!("{a}.attention.sliding_window_pattern"),
+                    u(sw.global_every),
+                )
+                .add(&format!("{a}.rope.freq_base_swa"), Value::F32(sw.rope_base));
+        }
+        w.add("tokenizer.ggml.model", Value::String("gpt2".into()))
             .add("tokenizer.ggml.pre", Value::String("smollm".into()))
             .add(
                 "tokenizer.ggml.tokens",

@@ -124,6 +124,7 @@ impl SynthShape {
             rms_eps: 1e-5,
             activation: FfnActivation::Silu,
             tied_embeddings: false,
+            ..ModelConfig::without_features()
         }
     }
 }
