@@ -284,18 +284,8 @@ impl LoadedModel {
             (gpu, ffn)
         };
         let ffn = ffn.map(Mutex::new);
-        let source = model
-            .chat_template
-            .as_deref()
-            .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
-        let tok = &model.tokenizer;
-        let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
-        let template = ChatTemplate::new(
-            source,
-            &text(tok.specials().bos),
-            &text(tok.specials().eos.first().copied()),
-        )
-        .map_err(failed)?;
+        let template = ChatTemplate::for_model(model.chat_template.as_deref(), &model.tokenizer)
+            .map_err(failed)?;
         Ok(LoadedModel {
             name: file.name.clone(),
             model,

@@ -4,12 +4,15 @@
 //! `lstrip_blocks` on, Python string/dict methods (`.strip()`, `.startswith()`, `.items()`, …)
 //! through `minijinja_contrib::pycompat`, a `raise_exception(message)` function, a `tojson`
 //! filter, and the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`.
-//! Models without a template get [`CHATML_TEMPLATE`].
+//! Models without a template get a fallback chosen by their vocabulary
+//! ([`ChatTemplate::for_model`]): [`GEMMA_TEMPLATE`] when it has Gemma's turn markers,
+//! [`CHATML_TEMPLATE`] otherwise.
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind, context};
 use serde::{Deserialize, Serialize};
 
+use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
 /// The fallback template for models that ship none: ChatML, as `transformers` defines it
@@ -19,6 +22,21 @@ pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
 {{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
 {% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// The fallback for Gemma vocabularies (GGUF files of Gemma often ship no template): turns
+/// `<start_of_turn>{role}\n{content}<end_of_turn>\n` with the assistant's role called `model`,
+/// a system message folded into the first user turn (Gemma has no system role), and
+/// `<start_of_turn>model\n` as the generation prompt. No bos token: the tokenizer adds it.
+pub const GEMMA_TEMPLATE: &str = "\
+{% if messages and messages[0]['role'] == 'system' %}\
+{% set system = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}\
+{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}\
+{% for message in turns %}\
+{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}\
+{% if loop.first %}{{ system }}{% endif %}\
+{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}";
 
 /// Name of the one template in a [`ChatTemplate`]'s environment (shows in error messages).
 const NAME: &str = "chat_template";
@@ -68,6 +86,25 @@ impl ChatTemplate {
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
+    }
+
+    /// The template a model should use: its own `source` when it has one, else the fallback
+    /// its vocabulary calls for (see the module docs), with the tokenizer's bos and eos texts.
+    pub fn for_model(source: Option<&str>, tok: &Tokenizer) -> Result<ChatTemplate> {
+        let source = source.unwrap_or_else(|| {
+            if tok.token_to_id("<start_of_turn>").is_some() {
+                GEMMA_TEMPLATE
+            } else {
+                CHATML_TEMPLATE
+            }
+        });
+        let text = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
+        let specials = tok.specials();
+        ChatTemplate::new(
+            source,
+            &text(specials.bos),
+            &text(specials.eos.first().copied()),
+        )
     }
 
     /// The ChatML fallback ([`CHATML_TEMPLATE`]).
@@ -179,6 +216,26 @@ mod tests {
         assert_eq!(
             t.render(&msgs, false).ok().as_deref(),
             Some("<|im_start|>user\nHi<|im_end|>\n")
+        );
+    }
+
+    #[test]
+    fn gemma_fallback_folds_the_system_message_into_the_first_user_turn() {
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", " Hi "),
+            ChatMessage::new("assistant", "Hello!"),
+            ChatMessage::new("user", "Bye"),
+        ];
+        assert_eq!(
+            ok(render(GEMMA_TEMPLATE, &msgs, true)),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello!<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            ok(render(GEMMA_TEMPLATE, &msgs[1..2], false)),
+            "<start_of_turn>user\nHi<end_of_turn>\n"
         );
     }
 

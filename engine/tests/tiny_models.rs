@@ -170,7 +170,9 @@ fn every_architecture_feature_changes_the_logits() {
     let edits: [(&str, Edit); 6] = [
         ("qk-norm", |w| {
             w.config.qk_norm = false;
-            w.layers.iter_mut().for_each(|l| (l.q_norm, l.k_norm) = (None, None));
+            w.layers
+                .iter_mut()
+                .for_each(|l| (l.q_norm, l.k_norm) = (None, None));
         }),
         ("post-norms", |w| {
             w.config.post_norms = false;
@@ -245,4 +247,28 @@ fn by_default_a_chunk_holds_as_many_q8_0_down_bundles_as_fit_one_page() {
     assert_eq!(ffn.bundle_bytes, 580);
     assert_eq!(ffn.chunk_neurons, 7, "4096 / 580");
     assert_eq!(ffn.chunk_bytes, lsm::ALIGN);
+}
+
+/// Prefill in batches is the same computation as token by token, for every flavour (the
+/// sliding window and both RoPE tables included).
+#[test]
+fn batched_prefill_equals_token_by_token_for_every_architecture() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in TinyArch::ALL {
+        let path = dir.path().join(format!("{arch:?}.gguf"));
+        TinyLlama::with_arch(10, arch)
+            .write_gguf(&path, DType::Q8_0)
+            .expect("write");
+        let model = Model::load(&path).expect("load");
+        let new =
+            || Session::new(model.clone(), 64, Precision::Exact, KvType::F32).expect("session");
+        let (mut one, mut batched) = (new(), new());
+        let want: Vec<f32> = TOKENS
+            .iter()
+            .map(|&t| one.forward(t).expect("forward").to_vec())
+            .last()
+            .expect("tokens");
+        let got = batched.forward_batch(&TOKENS).expect("forward");
+        assert_eq!(want, got, "{arch:?}");
+    }
 }

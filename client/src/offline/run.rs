@@ -67,17 +67,9 @@ pub struct RunArgs {
     pub memory_budget: Option<u64>,
 }
 
-/// Renders `prompt` as a single user turn with the model's template (ChatML when it has none).
+/// Renders `prompt` as a single user turn with the model's template (or its fallback).
 pub fn chat_prompt(model: &Model, prompt: &str) -> anyhow::Result<String> {
-    let source = model
-        .chat_template
-        .as_deref()
-        .unwrap_or(leanstream_engine::chat::CHATML_TEMPLATE);
-    let tok = &model.tokenizer;
-    let name = |id: Option<u32>| id.and_then(|i| tok.decode(&[i]).ok()).unwrap_or_default();
-    let bos = name(tok.specials().bos);
-    let eos = name(tok.specials().eos.first().copied());
-    let template = ChatTemplate::new(source, &bos, &eos)?;
+    let template = ChatTemplate::for_model(model.chat_template.as_deref(), &model.tokenizer)?;
     let messages = [ChatMessage {
         role: "user".into(),
         content: prompt.into(),

@@ -84,15 +84,30 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// Texts of the end-of-turn control tokens that stop generation besides the eos id.
+const END_OF_TURN: [&str; 4] = ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|eom_id|>"];
+
 impl Tokenizer {
     /// Builds the tokenizer described by GGUF metadata. Bad metadata (too many tokens, merges
     /// naming missing tokens, ids out of range, an unknown `pre`) is an [`Error::Tokenizer`]
     /// naming what is wrong; it never panics.
     pub fn from_gguf(v: &GgufVocab) -> Result<Tokenizer> {
         let inner = gguf::build(v)?;
+        // Chat models end a turn with their own marker, which the metadata's one eos id often is
+        // not (Gemma: `<eos>` is 1, a turn ends with `<end_of_turn>`): as llama.cpp does, a
+        // control token spelled like a known end-of-turn marker stops generation too.
+        let end_of_turn = v.tokens.iter().enumerate().filter(|&(i, t)| {
+            END_OF_TURN.contains(&t.as_str()) && v.token_types.get(i).is_none_or(|&ty| ty == 3)
+        });
+        let mut eos: Vec<u32> = v.eos.into_iter().collect();
+        for (i, _) in end_of_turn {
+            if !eos.contains(&(i as u32)) {
+                eos.push(i as u32);
+            }
+        }
         let specials = SpecialTokens {
             bos: v.bos,
-            eos: v.eos.into_iter().collect(),
+            eos,
             add_bos: v.add_bos,
         };
         Tokenizer::assemble(inner, specials)

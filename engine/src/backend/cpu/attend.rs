@@ -329,7 +329,16 @@ mod tests {
         let (mut scores, mut out) = (vec![0f32; 5], vec![0f32; hd]);
         let q = values(hd, 3);
         let once = std::iter::once(span);
-        attend_spans(Kernels::best(), &q, once, stride, 0, 0, &mut scores, &mut out);
+        attend_spans(
+            Kernels::best(),
+            &q,
+            once,
+            stride,
+            0,
+            0,
+            &mut scores,
+            &mut out,
+        );
     }
 
     #[test]
@@ -341,7 +350,16 @@ mod tests {
         attend(&q, &keys, &vals, stride, hd, first, &mut scores, &mut got);
         let (mut tail_scores, mut want) = (vec![0f32; n - first], vec![0f32; hd]);
         let (k_tail, v_tail) = (&keys[first * stride..], &vals[first * stride..]);
-        attend(&q, k_tail, v_tail, stride, hd, 0, &mut tail_scores, &mut want);
+        attend(
+            &q,
+            k_tail,
+            v_tail,
+            stride,
+            hd,
+            0,
+            &mut tail_scores,
+            &mut want,
+        );
         assert_eq!(got, want);
         assert!(scores[..first].iter().all(|&s| s == 0.0), "{scores:?}");
         assert_eq!(scores[first..], tail_scores[..]);
