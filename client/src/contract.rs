@@ -79,6 +79,11 @@ pub struct ModelInfo {
     pub name: String,
     /// `lsm` or `gguf`.
     pub format: String,
+    /// `llama`, `qwen2`, `qwen3`, `gemma3`, … (`unknown` when the header cannot be read).
+    pub architecture: String,
+    /// llama.cpp's file type when the file names one, then the share of matrix bytes per
+    /// stored type: `Q4_K_M (q8_0 53%, q5_0 26%, …)`; for an unreadable header, why.
+    pub quantization: String,
     pub file_bytes: u64,
     pub loaded: bool,
 }

@@ -16,6 +16,7 @@ use leanstream::contract::{
     SessionMemory, SessionStats,
 };
 use leanstream_engine::forward::session_open_bytes;
+use leanstream_engine::model::summarize;
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
@@ -425,20 +426,37 @@ impl<M: Memory> State<M> {
 
     async fn list_models(&self) -> Result<Vec<ModelInfo>, LeanStreamError> {
         let dir = self.params.model_dir.clone();
-        let files = tokio::task::spawn_blocking(move || models::list(&dir))
-            .await
-            .map_err(|e| LeanStreamError::Internal(e.to_string()))?
-            .map_err(|e| LeanStreamError::Internal(format!("reading the model directory: {e}")))?;
+        let files = tokio::task::spawn_blocking(move || {
+            models::list(&dir).map(|files| {
+                let summaries = files.iter().map(|f| summarize(&f.path));
+                files
+                    .iter()
+                    .cloned()
+                    .zip(summaries.collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .await
+        .map_err(|e| LeanStreamError::Internal(e.to_string()))?
+        .map_err(|e| LeanStreamError::Internal(format!("reading the model directory: {e}")))?;
         Ok(files
             .into_iter()
-            .map(|f| ModelInfo {
-                loaded: matches!(
-                    self.models.get(&f.name).map(|m| &m.slot),
-                    Some(Slot::Ready(_))
-                ),
-                name: f.name,
-                format: f.format.to_string(),
-                file_bytes: f.bytes,
+            .map(|(f, summary)| {
+                let (architecture, quantization) = match summary {
+                    Ok(s) => (s.architecture, s.quantization),
+                    Err(e) => ("unknown".to_string(), e.to_string()),
+                };
+                ModelInfo {
+                    loaded: matches!(
+                        self.models.get(&f.name).map(|m| &m.slot),
+                        Some(Slot::Ready(_))
+                    ),
+                    name: f.name,
+                    format: f.format.to_string(),
+                    architecture,
+                    quantization,
+                    file_bytes: f.bytes,
+                }
             })
             .collect())
     }

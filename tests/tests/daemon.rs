@@ -24,6 +24,13 @@ fn greedy_generation_matches_the_engine_fixture() -> anyhow::Result<()> {
         let models = client.manager.list_models().await?;
         let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, [MODEL], "the escaping symlink is not listed");
+        assert_eq!(
+            (
+                models[0].architecture.as_str(),
+                models[0].quantization.as_str()
+            ),
+            ("llama", "Q4_1 (q4_1 69%, q8_0 31%)")
+        );
         let out = generate_once(&client, STORY_PROMPT, 16).await?;
         assert_eq!(out.ids, STORY_GREEDY);
         assert_eq!(done_reason(&out), "max_tokens");

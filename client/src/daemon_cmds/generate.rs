@@ -275,6 +275,8 @@ mod tests {
         ModelInfo {
             name: name.into(),
             format: "lsm".into(),
+            architecture: "llama".into(),
+            quantization: "q8_0 100%".into(),
             file_bytes: 1,
             loaded,
         }

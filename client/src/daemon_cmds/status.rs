@@ -107,6 +107,8 @@ pub fn format_models(models: &[ModelInfo]) -> String {
         &[
             ("NAME", Align::Left),
             ("FORMAT", Align::Left),
+            ("ARCH", Align::Left),
+            ("QUANTIZATION", Align::Left),
             ("SIZE", Align::Right),
             ("LOADED", Align::Left),
         ],
@@ -116,6 +118,8 @@ pub fn format_models(models: &[ModelInfo]) -> String {
                 vec![
                     m.name.clone(),
                     m.format.clone(),
+                    m.architecture.clone(),
+                    m.quantization.clone(),
                     bytes(m.file_bytes),
                     if m.loaded { "yes" } else { "no" }.to_owned(),
                 ]
@@ -267,12 +271,16 @@ CLIENT  SESSIONS    MEMORY
             ModelInfo {
                 name: "smollm2".into(),
                 format: "lsm".into(),
+                architecture: "llama".into(),
+                quantization: "q4_1 55%, q8_0 45%".into(),
                 file_bytes: 90 << 20,
                 loaded: true,
             },
             ModelInfo {
                 name: "SmolLM2-135M-Instruct.Q4_1".into(),
                 format: "gguf".into(),
+                architecture: "llama".into(),
+                quantization: "Q4_1 (q4_1 100%)".into(),
                 file_bytes: 95_000_000,
                 loaded: false,
             },
@@ -280,9 +288,9 @@ CLIENT  SESSIONS    MEMORY
         assert_eq!(
             format_models(&models),
             "\
-NAME                        FORMAT      SIZE  LOADED
-smollm2                     lsm     90.0 MiB  yes
-SmolLM2-135M-Instruct.Q4_1  gguf    90.6 MiB  no
+NAME                        FORMAT  ARCH   QUANTIZATION            SIZE  LOADED
+smollm2                     lsm     llama  q4_1 55%, q8_0 45%  90.0 MiB  yes
+SmolLM2-135M-Instruct.Q4_1  gguf    llama  Q4_1 (q4_1 100%)    90.6 MiB  no
 "
         );
     }

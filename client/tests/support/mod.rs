@@ -157,12 +157,16 @@ fn models(loaded_other: bool) -> Vec<ModelInfo> {
         ModelInfo {
             name: "tiny".into(),
             format: "lsm".into(),
+            architecture: "llama".into(),
+            quantization: "q8_0 100%".into(),
             file_bytes: 3 << 20,
             loaded: true,
         },
         ModelInfo {
             name: "other".into(),
             format: "gguf".into(),
+            architecture: "gemma3".into(),
+            quantization: "Q4_K_M (q8_0 60%, q4_k 40%)".into(),
             file_bytes: 5 << 20,
             loaded: loaded_other,
         },

@@ -11,6 +11,7 @@ mod footprint;
 pub mod gguf;
 pub mod lsm;
 pub mod safetensors;
+mod summary;
 mod weights;
 
 use std::collections::BTreeMap;
@@ -21,6 +22,7 @@ pub use config::{
     Architecture, FfnActivation, LayerAttention, ModelConfig, RopeStyle, SlidingWindow,
 };
 pub use footprint::{ModelBytes, load_bytes_estimate};
+pub use summary::{ModelSummary, summarize};
 pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
 
 use crate::quant::DType;
