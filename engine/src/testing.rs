@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::model::gguf::writer::TinyLlama;
+use crate::model::gguf::writer::{TinyArch, TinyLlama};
 use crate::model::{load_imported, lsm};
 use crate::quant::DType;
 
@@ -43,7 +43,12 @@ pub fn real_lsm_in(dir: &Path, down_dtype: DType) -> crate::Result<PathBuf> {
 /// chunks (8 chunks per layer) into `out`: the small `.lsm` the format, calibration and daemon
 /// tests share.
 pub fn tiny_lsm(seed: u64, gguf: &Path, out: &Path) -> crate::Result<()> {
-    TinyLlama::new(seed).write_gguf(gguf, DType::Q4_1)?;
+    tiny_lsm_of(TinyArch::Llama, seed, gguf, out)
+}
+
+/// [`tiny_lsm`] of another flavour (Gemma 3's GeGLU, post-norms and sliding window, …).
+pub fn tiny_lsm_of(arch: TinyArch, seed: u64, gguf: &Path, out: &Path) -> crate::Result<()> {
+    TinyLlama::with_arch(seed, arch).write_gguf(gguf, DType::Q4_1)?;
     let opts = lsm::ConvertOptions {
         chunk_neurons: Some(16),
         ..Default::default()

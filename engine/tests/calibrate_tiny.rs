@@ -9,6 +9,7 @@ use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
 use leanstream_engine::kv::KvType;
+use leanstream_engine::model::gguf::writer::TinyArch;
 use leanstream_engine::model::lsm::{LsmFile, PredictorKind};
 use leanstream_engine::predict;
 use leanstream_engine::testing;
@@ -35,6 +36,28 @@ fn dense_ppl(path: &Path, ids: &[u32]) -> f64 {
     perplexity(&model.weights, ids, 32, None, &mut |_, _| {})
         .expect("perplexity")
         .nll
+}
+
+#[test]
+fn window_pass_agrees_with_the_session_for_every_architecture() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for arch in TinyArch::ALL {
+        let path = dir.path().join(format!("{arch:?}.lsm"));
+        testing::tiny_lsm_of(arch, 6, &dir.path().join("src.gguf"), &path).expect("tiny .lsm");
+        let model = Model::load(&path).expect("load");
+        let ids = model.tokenizer.encode(TEXT).expect("encode");
+        let ids = &ids[..ids.len().min(32)];
+        let mut session =
+            Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
+        let (sum, n) = score(&mut session, ids).expect("score");
+        let p = perplexity(&model.weights, ids, 32, None, &mut |_, _| {}).expect("perplexity");
+        let session_nll = sum / n as f64;
+        assert!(
+            (p.nll - session_nll).abs() < 1e-4 * session_nll.abs().max(1.0),
+            "{arch:?}: window pass NLL {} vs session {session_nll}",
+            p.nll
+        );
+    }
 }
 
 #[test]

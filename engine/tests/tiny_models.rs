@@ -272,3 +272,24 @@ fn batched_prefill_equals_token_by_token_for_every_architecture() {
         assert_eq!(want, got, "{arch:?}");
     }
 }
+
+/// Llama 3.x frequency scaling: `rope_freqs.weight` divides the RoPE frequencies; the engine
+/// follows the reference with it, and it changes the logits.
+#[test]
+fn rope_frequency_factors_from_the_file_are_applied() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tiny = TinyLlama::new(13);
+    let plain = dir.path().join("plain.gguf");
+    tiny.write_gguf(&plain, DType::F32).expect("write");
+    let scaled = dir.path().join("scaled.gguf");
+    let factors: Vec<f32> = (0..8).map(|i| 1.0 + i as f32).collect();
+    let mut w = tiny.gguf_writer(DType::F32);
+    w.add_f32_tensor("rope_freqs.weight", DType::F32, &[8], &factors);
+    w.write(&scaled).expect("write");
+    let model = Model::load(&scaled).expect("load");
+    assert_eq!(model.weights.config.rope_freq_factors, Some(factors));
+    let want = reference_logits(&scaled);
+    let exact = max_diff(&want, &engine_logits(&scaled, Precision::Exact));
+    assert!(exact < 1e-4, "engine vs reference with factors: {exact}");
+    assert!(max_diff(&want, &reference_logits(&plain)) > 1e-3);
+}
