@@ -25,6 +25,24 @@ pub fn real_model() -> PathBuf {
     path
 }
 
+/// Path of the second real test model (Gemma-3-270M, Q4_K_M GGUF): `$LEANSTREAM_GEMMA_MODEL`,
+/// or `models/gemma-3-270m-q4_k_m.gguf` at the workspace root, where `scripts/fetch-model` puts
+/// it. Panics with the fix when the file is missing, like [`real_model`].
+pub fn gemma_model() -> PathBuf {
+    let path = std::env::var_os("LEANSTREAM_GEMMA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "the Gemma test model is missing at {}: run scripts/fetch-model (or set \
+         LEANSTREAM_GEMMA_MODEL)",
+        path.display()
+    );
+    path
+}
+
 /// Converts the real model ([`real_model`]) into `dir/smollm2.lsm`, default chunking, down
 /// columns in `down_dtype`. F16 columns compute what the GGUF computes to f16 rounding, so the
 /// tests that hold a `.lsm` to the GGUF's fixtures use them; the default q8_0 changes the story

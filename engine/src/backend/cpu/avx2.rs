@@ -12,8 +12,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{Kernels, Q8Block, scalar};
-use crate::quant::QK;
+use super::{Kernels, Q8Block, decoded, scalar};
+use crate::quant::{DType, QK};
 
 /// The AVX2 table, if this CPU has AVX2, FMA and F16C.
 pub(super) fn detect() -> Option<&'static Kernels> {
@@ -32,6 +32,9 @@ static KERNELS: Kernels = Kernels {
         table::dot_q8_0,
         table::dot_q4_0,
         table::dot_q4_1,
+        table::dot_q5_0,
+        table::dot_q4_k,
+        table::dot_q6_k,
     ],
     dot_q8: [table::q8_0_q8, table::q4_0_q8, table::q4_1_q8],
     axpy: [
@@ -41,6 +44,9 @@ static KERNELS: Kernels = Kernels {
         table::axpy_q8_0,
         table::axpy_q4_0,
         table::axpy_q4_1,
+        table::axpy_q5_0,
+        table::axpy_q4_k,
+        table::axpy_q6_k,
     ],
     quantize: table::quantize,
 };
@@ -66,6 +72,12 @@ mod table {
         fn dot_q8_0(row: &[u8], x: &[f32]) -> f32;
         fn dot_q4_0(row: &[u8], x: &[f32]) -> f32;
         fn dot_q4_1(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q5_0(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q4_k(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q6_k(row: &[u8], x: &[f32]) -> f32;
+        fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
         fn q8_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32;
@@ -543,4 +555,37 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
     {
         scalar::quantize_block(tail, o);
     }
+}
+
+// The block types without hand-written kernels: the shared decode-then-multiply bodies of
+// `decoded`, compiled with this table's features.
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5_0, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q4K, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q6K, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5_0, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q4K, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q6K, row, a, out)
 }

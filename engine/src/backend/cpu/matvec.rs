@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index, row_prefix};
+use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index, q8_index, row_prefix};
 use crate::model::QRows;
 
 /// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
@@ -45,19 +45,19 @@ fn run(
     row_of: impl Fn(usize) -> usize + Sync,
 ) {
     assert_eq!(x.len(), m.cols, "activations vs matrix columns");
-    let i = dtype_index(m.dtype);
-    // Float rows have no integer path: they are exact in either precision.
-    if precision == Precision::Exact || i < 3 {
-        let dot = k.dot[i];
-        fill(out, |r| {
-            dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), x)
-        });
-    } else {
+    // Types without an integer path are exact in either precision.
+    let q8 = q8_index(m.dtype).filter(|_| precision == Precision::Fast);
+    if let Some(i) = q8 {
         scratch.quantize_with(k, x);
-        let dot = k.dot_q8[i - 3];
+        let dot = k.dot_q8[i];
         let acts = scratch.blocks();
         fill(out, |r| {
             dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), acts)
+        });
+    } else {
+        let dot = k.dot[dtype_index(m.dtype)];
+        fill(out, |r| {
+            dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), x)
         });
     }
 }

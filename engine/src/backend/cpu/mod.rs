@@ -22,6 +22,7 @@
 mod attend;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod decoded;
 mod dense;
 mod matvec;
 mod partial;
@@ -186,11 +187,11 @@ pub(crate) type QuantizeFn = fn(&[f32], &mut [Q8Block]);
 pub struct Kernels {
     name: &'static str,
     /// Indexed by [`dtype_index`].
-    dot: [DotFn; 6],
-    /// Indexed by [`dtype_index`] - 3 (Q8_0, Q4_0, Q4_1).
+    dot: [DotFn; DType::ALL.len()],
+    /// Indexed by [`q8_index`] (Q8_0, Q4_0, Q4_1: the types with integer kernels).
     dot_q8: [DotQ8Fn; 3],
     /// Indexed by [`dtype_index`].
-    axpy: [AxpyFn; 6],
+    axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
 }
 
@@ -202,6 +203,20 @@ fn dtype_index(dtype: DType) -> usize {
         DType::Q8_0 => 3,
         DType::Q4_0 => 4,
         DType::Q4_1 => 5,
+        DType::Q5_0 => 6,
+        DType::Q4K => 7,
+        DType::Q6K => 8,
+    }
+}
+
+/// Where `dtype`'s integer kernel sits in `dot_q8`, for the types that have one; the others
+/// (floats, and the block types of [`decoded`]) are exact in either precision.
+fn q8_index(dtype: DType) -> Option<usize> {
+    match dtype {
+        DType::Q8_0 => Some(0),
+        DType::Q4_0 => Some(1),
+        DType::Q4_1 => Some(2),
+        _ => None,
     }
 }
 
@@ -256,11 +271,10 @@ impl Kernels {
     /// Panics if `x.len()` is not a whole number of blocks or `row` is too short.
     #[inline]
     pub fn dot_q8(&self, dtype: DType, row: &[u8], x: &QuantizedActs) -> f32 {
-        let i = dtype_index(dtype);
-        if i < 3 {
-            return self.dot(dtype, row, &x.x);
+        match q8_index(dtype) {
+            Some(i) => (self.dot_q8[i])(row_prefix(dtype, row, x.len()), &x.blocks),
+            None => self.dot(dtype, row, &x.x),
         }
-        (self.dot_q8[i - 3])(row_prefix(dtype, row, x.len()), &x.blocks)
     }
 
     /// `out += a * dequant(row)`; `out.len()` is the number of values in the row.
@@ -298,16 +312,15 @@ impl Kernels {
     #[inline]
     pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
         assert_eq!(x.len(), m.cols, "activations vs matrix columns");
-        let i = dtype_index(m.dtype);
-        match x.blocks {
-            Some(b) if i >= 3 => {
-                let dot = self.dot_q8[i - 3];
+        match (x.blocks, q8_index(m.dtype)) {
+            (Some(b), Some(i)) => {
+                let dot = self.dot_q8[i];
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), b);
                 }
             }
             _ => {
-                let dot = self.dot[i];
+                let dot = self.dot[dtype_index(m.dtype)];
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), x.x);
                 }

@@ -4,15 +4,19 @@
 
 use half::{bf16, f16};
 
-use super::{Kernels, Q8Block};
+use super::{Kernels, Q8Block, decoded};
+use crate::quant::DType;
 use crate::quant::QK;
 
 pub(super) static KERNELS: Kernels = Kernels {
     name: "scalar",
-    dot: [dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1],
+    dot: [
+        dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q4_k, dot_q6_k,
+    ],
     dot_q8: [q8_0_q8, q4_0_q8, q4_1_q8],
     axpy: [
-        axpy_f32, axpy_f16, axpy_bf16, axpy_q8_0, axpy_q4_0, axpy_q4_1,
+        axpy_f32, axpy_f16, axpy_bf16, axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q4_k,
+        axpy_q6_k,
     ],
     quantize,
 };
@@ -247,4 +251,28 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
     for (xb, o) in x.chunks(QK).zip(out) {
         quantize_block(xb, o);
     }
+}
+
+fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5_0, row, x)
+}
+
+fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q4K, row, x)
+}
+
+fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q6K, row, x)
+}
+
+fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5_0, row, a, out)
+}
+
+fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q4K, row, a, out)
+}
+
+fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q6K, row, a, out)
 }

@@ -173,12 +173,15 @@ impl Array {
 }
 
 /// The ggml tensor type ids LeanStream reads, with their [`DType`].
-const SUPPORTED: [(u32, DType); 6] = [
+const SUPPORTED: [(u32, DType); 9] = [
     (0, DType::F32),
     (1, DType::F16),
     (2, DType::Q4_0),
     (3, DType::Q4_1),
+    (6, DType::Q5_0),
     (8, DType::Q8_0),
+    (12, DType::Q4K),
+    (14, DType::Q6K),
     (30, DType::Bf16),
 ];
 
@@ -197,7 +200,7 @@ pub fn ggml_type_of(dtype: DType) -> u32 {
 }
 
 /// Names of the supported ggml types, in the order messages list them.
-pub(crate) const SUPPORTED_NAMES: &str = "f32, f16, bf16, q8_0, q4_0, q4_1";
+pub(crate) const SUPPORTED_NAMES: &str = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q4_k, q6_k";
 
 /// The ggml name of type id `id` (`q4_k`, `iq2_xs`, ...), or `unknown` for ids ggml never used.
 pub fn ggml_type_name(id: u32) -> &'static str {

@@ -6,6 +6,11 @@
 //! - `Q4_1`: 20 bytes = f16 `d`, f16 `m`, 16 bytes of nibbles; value = `d * q + m`.
 //!
 //! For Q4 blocks, byte `j` holds element `j` in its low nibble and element `j + 16` in its high one.
+//!
+//! The 5-bit type Q5_0 and the 256-value k-quants Q4K and Q6K (what llama.cpp's `Q4_K_M`
+//! files mix in) are in [`kquant`].
+
+pub mod kquant;
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
@@ -20,18 +25,32 @@ pub enum DType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    #[serde(rename = "q4_k")]
+    Q4K,
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl DType {
-    /// Every supported type, plain floats first.
-    pub const ALL: [DType; 6] = [
+    /// Every supported type, plain floats first. The position is the type's code in the CUDA
+    /// kernels (`cuda-kernels/src/common.cuh`), so new types go at the end.
+    pub const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q4K,
+        DType::Q6K,
     ];
+
+    /// Whether values are stored one by one (f32, f16, bf16) rather than in blocks.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::Bf16)
+    }
 }
 
 /// Elements per quantisation block.
@@ -42,7 +61,8 @@ impl DType {
     pub const fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::Bf16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 => QK,
+            DType::Q4K | DType::Q6K => kquant::QK_K,
         }
     }
 
@@ -54,6 +74,9 @@ impl DType {
             DType::Q8_0 => 34,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q4K => 144,
+            DType::Q6K => 210,
         }
     }
 
@@ -74,6 +97,9 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q4K => "q4_k",
+            DType::Q6K => "q6_k",
         }
     }
 }
@@ -146,6 +172,23 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        DType::Q5_0 | DType::Q4K | DType::Q6K => {
+            let (len, bytes) = (dtype.block_len(), dtype.block_bytes());
+            for (o, b) in out.chunks_exact_mut(len).zip(row.chunks_exact(bytes)) {
+                decode_block(dtype, b, o);
+            }
+        }
+    }
+}
+
+/// Decodes one block of a block type other than Q8_0/Q4_0/Q4_1 (those have their own loops).
+#[inline]
+pub fn decode_block(dtype: DType, block: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::Q5_0 => kquant::decode_q5_0(block, out),
+        DType::Q4K => kquant::decode_q4_k(block, out),
+        DType::Q6K => kquant::decode_q6_k(block, out),
+        other => dequantize_row(other, block, out),
     }
 }
 
@@ -230,6 +273,16 @@ pub fn quantize_row_into(dtype: DType, x: &[f32], out: &mut [u8]) {
                 }
             }
         }
+        DType::Q5_0 | DType::Q4K | DType::Q6K => {
+            let (len, bytes) = (dtype.block_len(), dtype.block_bytes());
+            for (o, b) in out.chunks_exact_mut(bytes).zip(x.chunks_exact(len)) {
+                match dtype {
+                    DType::Q5_0 => kquant::encode_q5_0(b, o),
+                    DType::Q4K => kquant::encode_q4_k(b, o),
+                    _ => kquant::encode_q6_k(b, o),
+                }
+            }
+        }
     }
 }
 
@@ -247,7 +300,7 @@ mod tests {
 
     #[test]
     fn quantize_dequantize_round_trips_within_step() {
-        let x: Vec<f32> = (0..64)
+        let x: Vec<f32> = (0..256)
             .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.1)
             .collect();
         for dtype in DType::ALL {
@@ -262,6 +315,10 @@ mod tests {
                 DType::Bf16 => 1e-2,
                 DType::Q8_0 => 0.9 / 127.0,
                 DType::Q4_0 | DType::Q4_1 => 0.9 * 2.0 / 15.0,
+                DType::Q5_0 => 0.9 * 2.0 / 31.0,
+                // 6-bit scales and mins on top of the 4-bit steps.
+                DType::Q4K => 0.9 * 2.0 / 15.0 + 0.02,
+                DType::Q6K => 0.9 / 31.0 + 0.01,
             };
             for (a, b) in x.iter().zip(&y) {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");
