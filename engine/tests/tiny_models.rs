@@ -59,7 +59,9 @@ fn chunked(chunk_neurons: usize, down: DType) -> lsm::ConvertOptions {
 fn engine_matches_reference_for_every_tensor_type_and_architecture() {
     let dir = tempfile::tempdir().expect("tempdir");
     for arch in TinyArch::ALL {
-        for dtype in DType::ALL {
+        // k-quant blocks (256 values) do not fit the tiny models' 64-value rows; the Gemma test
+        // and the kernel conformance cover them.
+        for dtype in DType::ALL.into_iter().filter(|d| d.row_bytes(64).is_some()) {
             let path = dir.path().join(format!("{arch:?}-{dtype}.gguf"));
             TinyLlama::with_arch(11, arch)
                 .write_gguf(&path, dtype)

@@ -99,10 +99,10 @@ pub fn elementwise(b: &dyn KernelOps) {
 
 /// Dense mat-vec in every stored type, with and without a bias, rows not a multiple of 8.
 pub fn matvec(b: &dyn KernelOps) {
-    let (rows, cols) = (45, 576);
+    let (rows, cols) = (45, 768); // 24 blocks of 32, 3 of 256
     let x = values(cols, 5);
     let bias = values(rows, 6);
-    for dtype in DType::ALL {
+    for &dtype in b.dtypes() {
         let (bytes, deq) = quantised(dtype, rows, cols, 100);
         let w = Matrix {
             dtype,
@@ -203,7 +203,7 @@ struct TestLayer {
 }
 
 fn test_layer(dtypes: [DType; 3], seed: u32) -> TestLayer {
-    let (n_ff, d, cn) = (200, 128, 48); // 5 chunks, the last of 8 neurons
+    let (n_ff, d, cn) = (200, 256, 48); // 5 chunks, the last of 8 neurons; rows of one k-block
     let layout = ChunkLayout::one_layer(n_ff, d, cn, dtypes).expect("geometry");
     let mut t = TestLayer {
         chunks: vec![vec![0u8; layout.chunk_bytes]; layout.chunks_per_layer],
@@ -253,9 +253,10 @@ impl TestLayer {
 /// The sparse FFN over a subset of chunks in any order, the short last chunk included, in every
 /// stored type, both activations, with and without a threshold.
 pub fn ffn_chunks(b: &dyn KernelOps) {
-    let x = values(128, 11);
-    for (i, dtype) in DType::ALL.into_iter().enumerate() {
-        let layer = test_layer([dtype, dtype, DType::ALL[(i + 1) % 6]], 200);
+    let x = values(256, 11);
+    let dtypes = b.dtypes();
+    for (i, &dtype) in dtypes.iter().enumerate() {
+        let layer = test_layer([dtype, dtype, dtypes[(i + 1) % dtypes.len()]], 200);
         for (act, threshold) in [
             (FfnActivation::Silu, 0.0),
             (FfnActivation::Silu, 0.05),

@@ -16,6 +16,55 @@ const DTYPES: [DType; 6] = [
     DType::Q4_1,
 ];
 
+/// The 256-value block types (and Q5_0), whose kernels decode each block and multiply in f32.
+const DECODED: [DType; 3] = [DType::Q5_0, DType::Q4K, DType::Q6K];
+
+#[test]
+fn decoded_block_kernels_match_the_oracle_in_either_precision() {
+    let mut rng = Rng(40);
+    let mut acts = QuantizedActs::new(4096);
+    for k in tables() {
+        for dtype in DECODED {
+            for n in [256, 512, 768, 2048, 4096] {
+                let row = quantized(dtype, &rng.vec(n, 0.5));
+                let x = rng.vec(n, 2.0);
+                let mut w = vec![0f32; n];
+                dequantize_row(dtype, &row, &mut w);
+                let want: f64 = w
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let scale: f64 = w
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| f64::from((a * b).abs()))
+                    .sum();
+                let got = f64::from(k.dot(dtype, &row, &x));
+                assert!(
+                    (got - want).abs() <= 1e-5 * scale,
+                    "{} {dtype} n={n}",
+                    k.name()
+                );
+                acts.quantize_with(k, &x);
+                assert_eq!(
+                    k.dot_q8(dtype, &row, &acts),
+                    k.dot(dtype, &row, &x),
+                    "no fast path"
+                );
+                let mut out = vec![0.25f32; n];
+                k.axpy(dtype, &row, -1.5, &mut out);
+                for (o, v) in out.iter().zip(&w) {
+                    assert!(
+                        (o - (0.25 - 1.5 * v)).abs() <= 1e-5 * (1.0 + v.abs()),
+                        "{dtype}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The tables to test: scalar, and the best one when it differs.
 fn tables() -> Vec<&'static Kernels> {
     let mut t = vec![Kernels::scalar()];

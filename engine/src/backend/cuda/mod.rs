@@ -53,6 +53,17 @@ fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
+/// The stored types the CUDA kernels decode (`cuda-kernels/src/common.cuh`); Q5_0, Q4_K and
+/// Q6_K are not among them yet, and a model with such matrices stays on the CPU.
+pub const KERNEL_DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
+
 /// The kernel type code of `dtype` (`cuda-kernels/src/common.cuh`: the order of [`DType::ALL`]).
 pub fn dtype_code(dtype: DType) -> i32 {
     DType::ALL

@@ -351,7 +351,8 @@ mod tests {
 
     #[test]
     fn tiny_llama_maps_to_its_config_and_weights_build() {
-        for dtype in DType::ALL {
+        // The tiny model's 64-value rows hold no 256-value k-quant block.
+        for dtype in DType::ALL.into_iter().filter(|d| d.row_bytes(64).is_some()) {
             let tiny = TinyLlama::new(7);
             let m = parse(&tiny.gguf_writer(dtype)).unwrap();
             assert_eq!(m.config, tiny.config, "{dtype}");

@@ -267,7 +267,8 @@ mod tests {
         }
         assert_eq!(ggml_type_name(12), "q4_k");
         assert_eq!(ggml_type_name(1000), "unknown");
-        assert_eq!(dtype_from_ggml(12), None);
+        assert_eq!(dtype_from_ggml(12), Some(DType::Q4K));
+        assert_eq!(dtype_from_ggml(10), None, "q2_k is not read");
     }
 
     #[test]
