@@ -206,14 +206,15 @@ fn corrupted_header_fields_are_named() {
 fn unsupported_tensor_type_names_tensor_and_type() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = TinyLlama::new(9).gguf_writer(DType::Q8_0);
-    w.add_raw_tensor("blk.0.ffn_down.weight", 12, &[64, 128], vec![0; 64 * 72]);
-    let (p, r) = open_gguf(dir.path(), "q4k.gguf", &w.to_bytes());
+    // q2_k: 84-byte blocks of 256 values.
+    w.add_raw_tensor("blk.0.ffn_down.weight", 10, &[256, 128], vec![0; 128 * 84]);
+    let (p, r) = open_gguf(dir.path(), "q2k.gguf", &w.to_bytes());
     assert_err(
         r,
         &p,
         &[
-            "unsupported: tensor blk.0.ffn_down.weight has type q4_k (12), which is not supported; \
-           supported: f32, f16, bf16, q8_0, q4_0, q4_1",
+            "unsupported: tensor blk.0.ffn_down.weight has type q2_k (10), which is not supported; \
+           supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q4_k, q6_k",
         ],
     );
 }
