@@ -206,15 +206,16 @@ fn corrupted_header_fields_are_named() {
 fn unsupported_tensor_type_names_tensor_and_type() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = TinyLlama::new(9).gguf_writer(DType::Q8_0);
-    // q2_k: 84-byte blocks of 256 values.
-    w.add_raw_tensor("blk.0.ffn_down.weight", 10, &[256, 128], vec![0; 128 * 84]);
-    let (p, r) = open_gguf(dir.path(), "q2k.gguf", &w.to_bytes());
+    // iq4_xs: 136-byte blocks of 256 values.
+    w.add_raw_tensor("blk.0.ffn_down.weight", 23, &[256, 128], vec![0; 128 * 136]);
+    let (p, r) = open_gguf(dir.path(), "iq4xs.gguf", &w.to_bytes());
     assert_err(
         r,
         &p,
         &[
-            "unsupported: tensor blk.0.ffn_down.weight has type q2_k (10), which is not supported; \
-           supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q4_k, q6_k",
+            "unsupported: tensor blk.0.ffn_down.weight has type iq4_xs (23), which is not \
+           supported; supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, \
+           q5_k, q6_k",
         ],
     );
 }

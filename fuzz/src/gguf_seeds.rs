@@ -36,9 +36,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ])),
         )
         .add("general.alignment", Value::U32(16));
-    let row: Vec<f32> = (0..32).map(|i| i as f32 / 8.0 - 2.0).collect();
+    // One block of each type: 32 values, or 256 for the k-quants.
+    let row: Vec<f32> = (0..256).map(|i| (i % 32) as f32 / 8.0 - 2.0).collect();
     for dtype in DType::ALL {
-        all.add_f32_tensor(&format!("t.{dtype}"), dtype, &[1, 32], &row);
+        let n = dtype.block_len().max(32);
+        all.add_f32_tensor(&format!("t.{dtype}"), dtype, &[1, n], &row[..n]);
     }
     std::fs::write(dir.join("all_types_v3.gguf"), all.to_bytes())?;
     all.set_version(2);
@@ -60,5 +62,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dir.join("tiny_qwen2_q8_0.gguf"),
         qwen.gguf_writer(DType::Q8_0).to_bytes(),
     )?;
+    // Gemma 3 and Qwen 3 metadata (sliding window, QK-norm, post-norms).
+    for arch in [TinyArch::Gemma3, TinyArch::Qwen3] {
+        std::fs::write(
+            dir.join(format!("tiny_{}_q8_0.gguf", arch.name())),
+            TinyLlama::with_arch(3, arch).gguf_writer(DType::Q8_0).to_bytes(),
+        )?;
+    }
     Ok(())
 }

@@ -30,12 +30,19 @@ pub enum DType {
     Q4K,
     #[serde(rename = "q6_k")]
     Q6K,
+    Q5_1,
+    #[serde(rename = "q2_k")]
+    Q2K,
+    #[serde(rename = "q3_k")]
+    Q3K,
+    #[serde(rename = "q5_k")]
+    Q5K,
 }
 
 impl DType {
     /// Every supported type, plain floats first. The position is the type's code in the CUDA
     /// kernels (`cuda-kernels/src/common.cuh`), so new types go at the end.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
         DType::Bf16,
@@ -45,6 +52,10 @@ impl DType {
         DType::Q5_0,
         DType::Q4K,
         DType::Q6K,
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q5K,
     ];
 
     /// Whether values are stored one by one (f32, f16, bf16) rather than in blocks.
@@ -61,8 +72,8 @@ impl DType {
     pub const fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::Bf16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 => QK,
-            DType::Q4K | DType::Q6K => kquant::QK_K,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => QK,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => kquant::QK_K,
         }
     }
 
@@ -77,6 +88,10 @@ impl DType {
             DType::Q5_0 => 22,
             DType::Q4K => 144,
             DType::Q6K => 210,
+            DType::Q5_1 => 24,
+            DType::Q2K => 84,
+            DType::Q3K => 110,
+            DType::Q5K => 176,
         }
     }
 
@@ -100,6 +115,10 @@ impl DType {
             DType::Q5_0 => "q5_0",
             DType::Q4K => "q4_k",
             DType::Q6K => "q6_k",
+            DType::Q5_1 => "q5_1",
+            DType::Q2K => "q2_k",
+            DType::Q3K => "q3_k",
+            DType::Q5K => "q5_k",
         }
     }
 }
@@ -172,7 +191,7 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        DType::Q5_0 | DType::Q4K | DType::Q6K => {
+        _ => {
             let (len, bytes) = (dtype.block_len(), dtype.block_bytes());
             for (o, b) in out.chunks_exact_mut(len).zip(row.chunks_exact(bytes)) {
                 decode_block(dtype, b, o);
@@ -186,7 +205,11 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 pub fn decode_block(dtype: DType, block: &[u8], out: &mut [f32]) {
     match dtype {
         DType::Q5_0 => kquant::decode_q5_0(block, out),
+        DType::Q5_1 => kquant::decode_q5_1(block, out),
+        DType::Q2K => kquant::decode_q2_k(block, out),
+        DType::Q3K => kquant::decode_q3_k(block, out),
         DType::Q4K => kquant::decode_q4_k(block, out),
+        DType::Q5K => kquant::decode_q5_k(block, out),
         DType::Q6K => kquant::decode_q6_k(block, out),
         other => dequantize_row(other, block, out),
     }
@@ -273,14 +296,19 @@ pub fn quantize_row_into(dtype: DType, x: &[f32], out: &mut [u8]) {
                 }
             }
         }
-        DType::Q5_0 | DType::Q4K | DType::Q6K => {
+        _ => {
             let (len, bytes) = (dtype.block_len(), dtype.block_bytes());
+            let encode = match dtype {
+                DType::Q5_0 => kquant::encode_q5_0,
+                DType::Q5_1 => kquant::encode_q5_1,
+                DType::Q2K => kquant::encode_q2_k,
+                DType::Q3K => kquant::encode_q3_k,
+                DType::Q4K => kquant::encode_q4_k,
+                DType::Q5K => kquant::encode_q5_k,
+                _ => kquant::encode_q6_k,
+            };
             for (o, b) in out.chunks_exact_mut(bytes).zip(x.chunks_exact(len)) {
-                match dtype {
-                    DType::Q5_0 => kquant::encode_q5_0(b, o),
-                    DType::Q4K => kquant::encode_q4_k(b, o),
-                    _ => kquant::encode_q6_k(b, o),
-                }
+                encode(b, o);
             }
         }
     }
@@ -319,6 +347,10 @@ mod tests {
                 // 6-bit scales and mins on top of the 4-bit steps.
                 DType::Q4K => 0.9 * 2.0 / 15.0 + 0.02,
                 DType::Q6K => 0.9 / 31.0 + 0.01,
+                DType::Q5_1 => 0.9 * 2.0 / 31.0,
+                DType::Q5K => 0.9 * 2.0 / 31.0 + 0.02,
+                DType::Q3K => 0.9 / 4.0 + 0.02,
+                DType::Q2K => 0.9 * 2.0 / 3.0 + 0.05,
             };
             for (a, b) in x.iter().zip(&y) {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b}");

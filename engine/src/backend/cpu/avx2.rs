@@ -35,6 +35,10 @@ static KERNELS: Kernels = Kernels {
         table::dot_q5_0,
         table::dot_q4_k,
         table::dot_q6_k,
+        table::dot_q5_1,
+        table::dot_q2_k,
+        table::dot_q3_k,
+        table::dot_q5_k,
     ],
     dot_q8: [table::q8_0_q8, table::q4_0_q8, table::q4_1_q8],
     axpy: [
@@ -47,6 +51,10 @@ static KERNELS: Kernels = Kernels {
         table::axpy_q5_0,
         table::axpy_q4_k,
         table::axpy_q6_k,
+        table::axpy_q5_1,
+        table::axpy_q2_k,
+        table::axpy_q3_k,
+        table::axpy_q5_k,
     ],
     quantize: table::quantize,
 };
@@ -78,6 +86,14 @@ mod table {
         fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn dot_q5_1(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q2_k(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q3_k(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q5_k(row: &[u8], x: &[f32]) -> f32;
+        fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]);
         fn q8_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32;
@@ -588,4 +604,44 @@ fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
     decoded::axpy(DType::Q6K, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5_1, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5_1, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q2K, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q2K, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q3_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q3K, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q3K, row, a, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q5_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5K, row, x)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5K, row, a, out)
 }

@@ -1,4 +1,4 @@
-//! Kernels for the block types without hand-written SIMD (Q5_0, Q4_K, Q6_K): each block is
+//! Kernels for the block types without hand-written SIMD (Q5_0, Q5_1 and the k-quants): each block is
 //! decoded to f32 on the stack with [`crate::quant::decode_block`] — the dequantiser the
 //! reference uses — then multiplied in eight lanes. The weights stay quantised in memory; only
 //! one block (at most 256 values) is ever decoded at a time.

@@ -206,6 +206,10 @@ fn dtype_index(dtype: DType) -> usize {
         DType::Q5_0 => 6,
         DType::Q4K => 7,
         DType::Q6K => 8,
+        DType::Q5_1 => 9,
+        DType::Q2K => 10,
+        DType::Q3K => 11,
+        DType::Q5K => 12,
     }
 }
 

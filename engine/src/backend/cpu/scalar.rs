@@ -12,11 +12,12 @@ pub(super) static KERNELS: Kernels = Kernels {
     name: "scalar",
     dot: [
         dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q4_k, dot_q6_k,
+        dot_q5_1, dot_q2_k, dot_q3_k, dot_q5_k,
     ],
     dot_q8: [q8_0_q8, q4_0_q8, q4_1_q8],
     axpy: [
         axpy_f32, axpy_f16, axpy_bf16, axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q4_k,
-        axpy_q6_k,
+        axpy_q6_k, axpy_q5_1, axpy_q2_k, axpy_q3_k, axpy_q5_k,
     ],
     quantize,
 };
@@ -275,4 +276,36 @@ fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
 
 fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
     decoded::axpy(DType::Q6K, row, a, out)
+}
+
+fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5_1, row, x)
+}
+
+fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5_1, row, a, out)
+}
+
+fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q2K, row, x)
+}
+
+fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q2K, row, a, out)
+}
+
+fn dot_q3_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q3K, row, x)
+}
+
+fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q3K, row, a, out)
+}
+
+fn dot_q5_k(row: &[u8], x: &[f32]) -> f32 {
+    decoded::dot(DType::Q5K, row, x)
+}
+
+fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]) {
+    decoded::axpy(DType::Q5K, row, a, out)
 }

@@ -17,7 +17,15 @@ const DTYPES: [DType; 6] = [
 ];
 
 /// The 256-value block types (and Q5_0), whose kernels decode each block and multiply in f32.
-const DECODED: [DType; 3] = [DType::Q5_0, DType::Q4K, DType::Q6K];
+const DECODED: [DType; 7] = [
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+];
 
 #[test]
 fn decoded_block_kernels_match_the_oracle_in_either_precision() {

@@ -53,8 +53,8 @@ fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
-/// The stored types the CUDA kernels decode (`cuda-kernels/src/common.cuh`); Q5_0, Q4_K and
-/// Q6_K are not among them yet, and a model with such matrices stays on the CPU.
+/// The stored types the CUDA kernels decode (`cuda-kernels/src/common.cuh`); Q5_0/Q5_1 and the
+/// k-quants are not among them yet, and a model with such matrices stays on the CPU.
 pub const KERNEL_DTYPES: [DType; 6] = [
     DType::F32,
     DType::F16,

@@ -173,14 +173,18 @@ impl Array {
 }
 
 /// The ggml tensor type ids LeanStream reads, with their [`DType`].
-const SUPPORTED: [(u32, DType); 9] = [
+const SUPPORTED: [(u32, DType); 13] = [
     (0, DType::F32),
     (1, DType::F16),
     (2, DType::Q4_0),
     (3, DType::Q4_1),
     (6, DType::Q5_0),
+    (7, DType::Q5_1),
     (8, DType::Q8_0),
+    (10, DType::Q2K),
+    (11, DType::Q3K),
     (12, DType::Q4K),
+    (13, DType::Q5K),
     (14, DType::Q6K),
     (30, DType::Bf16),
 ];
@@ -200,7 +204,8 @@ pub fn ggml_type_of(dtype: DType) -> u32 {
 }
 
 /// Names of the supported ggml types, in the order messages list them.
-pub(crate) const SUPPORTED_NAMES: &str = "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q4_k, q6_k";
+pub(crate) const SUPPORTED_NAMES: &str =
+    "f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k";
 
 /// The ggml name of type id `id` (`q4_k`, `iq2_xs`, ...), or `unknown` for ids ggml never used.
 pub fn ggml_type_name(id: u32) -> &'static str {
@@ -268,7 +273,7 @@ mod tests {
         assert_eq!(ggml_type_name(12), "q4_k");
         assert_eq!(ggml_type_name(1000), "unknown");
         assert_eq!(dtype_from_ggml(12), Some(DType::Q4K));
-        assert_eq!(dtype_from_ggml(10), None, "q2_k is not read");
+        assert_eq!(dtype_from_ggml(23), None, "iq4_xs is not read");
     }
 
     #[test]
