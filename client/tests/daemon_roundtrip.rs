@@ -235,11 +235,25 @@ fn cli_against_the_mock_daemon() {
     let out = cli(a, &["models"], "");
     assert!(out.status.success(), "{}", text(&out.stderr));
     let table = text(&out.stdout);
-    assert!(
-        table.starts_with("NAME   FORMAT     SIZE  LOADED\n"),
+    let lines: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| {
+            l.split("  ")
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        lines[0],
+        ["NAME", "FORMAT", "ARCH", "QUANTIZATION", "SIZE", "LOADED"],
         "{table}"
     );
-    assert!(table.contains("tiny   lsm     3.0 MiB  yes"), "{table}");
+    assert_eq!(
+        lines[1],
+        ["tiny", "lsm", "llama", "q8_0 100%", "3.0 MiB", "yes"],
+        "{table}"
+    );
 
     // Streams text; the only loaded model is picked.
     let out = cli(a, &["generate", "hello robot"], "");
