@@ -13,8 +13,8 @@ fn sig<T: Type>() -> String {
 
 #[test]
 fn wire_types_have_the_documented_signatures() {
-    assert_eq!(sig::<ModelInfo>(), "(sstb)");
-    assert_eq!(sig::<Vec<ModelInfo>>(), "a(sstb)");
+    assert_eq!(sig::<ModelInfo>(), "(sssstb)");
+    assert_eq!(sig::<Vec<ModelInfo>>(), "a(sssstb)");
     assert_eq!(sig::<GenerateParams>(), "(ududdtas)");
     assert_eq!(sig::<ChatTurn>(), "(ss)");
     assert_eq!(sig::<Vec<ChatTurn>>(), "a(ss)");
