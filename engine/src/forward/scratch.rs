@@ -87,7 +87,9 @@ impl Scratch {
     /// Allocates the buffers of `shape`, the shape of `c`, with `c`'s RoPE tables.
     pub fn new(shape: &Shape, c: &ModelConfig) -> Scratch {
         let b = MAX_BATCH;
-        let (rope_freqs, rope_of_layer) = c.rope_tables();
+        let (mut rope_freqs, rope_of_layer) = c.rope_tables();
+        rope_freqs.shrink_to_fit(); // what `Shape::bytes` counts: one slot per table
+
         Scratch {
             x: vec![0.0; b * shape.d_model],
             xn: vec![0.0; b * shape.d_model],
