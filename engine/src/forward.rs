@@ -242,7 +242,7 @@ impl Session {
             let s = &mut self.s;
             cpu::rmsnorm(&mut s.xn[..d], &s.x[..d], &layer.ffn_norm, eps);
             exec.ffn(l, &layer, &s.xn[..d], &mut s.proj[..d])?;
-            post_norm(&layer.post_ffn_norm, &mut s.proj[..d], d, eps);
+            norm_rows(&layer.post_ffn_norm, &mut s.proj[..d], d, eps);
             cpu::add_inplace(&mut s.x[..d], &s.proj[..d]);
         }
         self.pos += 1;
@@ -364,7 +364,7 @@ impl Session {
 
         let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
         k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
-        post_norm(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
+        norm_rows(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
 
@@ -414,7 +414,7 @@ impl Session {
                 }
             }
         }
-        post_norm(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
+        norm_rows(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
 }
@@ -440,7 +440,7 @@ pub(crate) fn finish_qkv(
         }
     }
     for (buf, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
-        post_norm(norm, buf, c.head_dim, c.rms_eps);
+        norm_rows(norm, buf, c.head_dim, c.rms_eps);
     }
     cpu::rope(q, c.head_dim, rope, c.rope_style);
     cpu::rope(k, c.head_dim, rope, c.rope_style);
@@ -448,7 +448,7 @@ pub(crate) fn finish_qkv(
 
 /// RMSNorm in place of every `width`-value row of `x` with `norm`, when the model has it (the
 /// post-norms of Gemma 3 on a sub-block's output, its QK-norm per head); nothing otherwise.
-pub(crate) fn post_norm(norm: &Option<Vec<f32>>, x: &mut [f32], width: usize, eps: f32) {
+pub(crate) fn norm_rows(norm: &Option<Vec<f32>>, x: &mut [f32], width: usize, eps: f32) {
     if let Some(w) = norm {
         for row in x.chunks_exact_mut(width) {
             cpu::rmsnorm_inplace(row, w, eps);

@@ -7,7 +7,7 @@
 //! keys and values). Its logits agree with `Session` in exact precision to float rounding (tested).
 
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, QuantizedActs};
-use crate::forward::{finish_qkv, post_norm};
+use crate::forward::{finish_qkv, norm_rows};
 use crate::model::{LayerWeights, Weights};
 use crate::{Error, Result};
 
@@ -117,7 +117,7 @@ impl<'w> WindowForward<'w> {
                 let xn = &mut self.xn[t * d..(t + 1) * d];
                 cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
                 exec.ffn(l, layer, xn, &mut self.out)?;
-                post_norm(&layer.post_ffn_norm, &mut self.out, d, c.rms_eps);
+                norm_rows(&layer.post_ffn_norm, &mut self.out, d, c.rms_eps);
                 cpu::add_inplace(x, &self.out);
             }
         }
@@ -245,7 +245,7 @@ impl<'w> WindowForward<'w> {
             );
             k.matmats(x, m, [(&layer.wo, &mut self.proj[s * d..(s + m) * d])]);
         }
-        post_norm(&layer.post_attn_norm, &mut self.proj[..n * d], d, c.rms_eps);
+        norm_rows(&layer.post_attn_norm, &mut self.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut self.x[..n * d], &self.proj[..n * d]);
     }
 }

@@ -55,14 +55,7 @@ fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
 
 /// The stored types the CUDA kernels decode (`cuda-kernels/src/common.cuh`); Q5_0/Q5_1 and the
 /// k-quants are not among them yet, and a model with such matrices stays on the CPU.
-pub const KERNEL_DTYPES: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
+pub const KERNEL_DTYPES: &[DType] = DType::ALL.split_at(6).0;
 
 /// The kernel type code of `dtype` (`cuda-kernels/src/common.cuh`: the order of [`DType::ALL`]).
 pub fn dtype_code(dtype: DType) -> i32 {

@@ -20,7 +20,7 @@ impl KernelOps for CudaBackend {
     }
 
     fn dtypes(&self) -> &'static [crate::quant::DType] {
-        &super::KERNEL_DTYPES
+        super::KERNEL_DTYPES
     }
 
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
