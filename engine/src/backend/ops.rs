@@ -105,10 +105,6 @@ pub struct FfnOutput {
 pub trait KernelOps {
     /// Which backend (and device) this is, for messages.
     fn name(&self) -> String;
-    /// The stored types its kernels read (the conformance bodies test each of them).
-    fn dtypes(&self) -> &'static [crate::quant::DType] {
-        &crate::quant::DType::ALL
-    }
     /// RMSNorm of each row of `x` (rows of `weight.len()` values).
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>>;
     /// `silu(gate) * up`, element by element.

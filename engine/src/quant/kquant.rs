@@ -1,8 +1,12 @@
-//! The 5-bit and k-quant block layouts of GGML, one decoder and one round-to-nearest encoder
-//! each. The decoders follow the format definitions bit for bit (checked against the `gguf`
-//! Python package's dequantiser on random blocks); the encoders are plain round-to-nearest, not
+//! The 5-bit and k-quant block layouts of GGML, their decoders and round-to-nearest encoders.
+//! The decoders follow the format definitions bit for bit (checked against the `gguf` Python
+//! package's dequantiser on random blocks); the encoders are plain round-to-nearest, not
 //! llama.cpp's error-minimising search: good enough for tests and tiny models, not for
 //! quantising real weights (LeanStream keeps a file's k-quant rows as they are).
+//!
+//! Every k-quant type decodes to one form, [`Groups`] (a float scale and min per 16 values) and
+//! [`quants`] (an i8 per value); the reference dequantiser and all the kernels (scalar, AVX2,
+//! CUDA) build on that form, so a type's layout is spelled out once per language.
 //!
 //! - `Q5_0`: 22 bytes per 32 values = f16 `d`, u32 `qh` (bit `j` is the fifth bit of value `j`),
 //!   16 bytes of nibbles (as Q4_0); value = `d * (q - 16)`.
@@ -23,6 +27,8 @@
 
 use half::f16;
 
+use super::DType;
+
 /// Values per k-quant super-block.
 pub const QK_K: usize = 256;
 
@@ -33,36 +39,16 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// Decodes one Q5_0 block (22 bytes) into 32 values.
 pub fn decode_q5_0(b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
-    let mut q = [0u8; 32];
-    five_bit(
-        &b[6..22],
-        u32::from_le_bytes([b[2], b[3], b[4], b[5]]),
-        &mut q,
-    );
-    for (o, q) in out.iter_mut().zip(q) {
-        *o = d * (f32::from(q) - 16.0);
-    }
-}
-
-/// The fifth bits of a Q5_0/Q5_1 block: bit `j` of `qh` for value `j`.
-fn five_bit(lo_nibbles: &[u8], qh: u32, out: &mut [u8; 32]) {
-    for j in 0..16 {
-        out[j] = (lo_nibbles[j] & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
-        out[j + 16] = (lo_nibbles[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    for (j, o) in out.iter_mut().enumerate().take(32) {
+        *o = d * (f32::from(q5(b, 2, j)) - 16.0);
     }
 }
 
 /// Decodes one Q5_1 block (24 bytes) into 32 values.
 pub fn decode_q5_1(b: &[u8], out: &mut [f32]) {
     let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-    let mut q = [0u8; 32];
-    five_bit(
-        &b[8..24],
-        u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-        &mut q,
-    );
-    for (o, q) in out.iter_mut().zip(q) {
-        *o = d * f32::from(q) + m;
+    for (j, o) in out.iter_mut().enumerate().take(32) {
+        *o = d * f32::from(q5(b, 4, j)) + m;
     }
 }
 
@@ -101,6 +87,115 @@ pub fn encode_q5_0(x: &[f32], out: &mut [u8]) {
     pack_five(&q, &mut out[2..]);
 }
 
+/// Values per scale group of the decoded form.
+pub const GROUP: usize = 16;
+/// Groups per super-block.
+pub const GROUPS: usize = QK_K / GROUP;
+
+/// The float scale and min of each 16-value group of one super-block: value `j` of the block is
+/// `scale[j / 16] * q[j] - min[j / 16]` with the integer quants of [`quants`]. Every k-quant type
+/// decodes to this one form (types with 32-value sub-blocks repeat a sub-block's scale for its
+/// two groups); the reference dequantiser and every kernel are built on it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Groups {
+    pub scale: [f32; GROUPS],
+    pub min: [f32; GROUPS],
+}
+
+/// The scales and mins of one super-block of `dtype`.
+///
+/// Panics if `dtype` is not a k-quant type (a broken caller invariant).
+#[inline]
+pub fn groups(dtype: DType, b: &[u8]) -> Groups {
+    let mut g = Groups {
+        scale: [0.0; GROUPS],
+        min: [0.0; GROUPS],
+    };
+    match dtype {
+        DType::Q2K => {
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for (k, s) in b[..16].iter().enumerate() {
+                g.scale[k] = d * f32::from(s & 0x0f);
+                g.min[k] = dmin * f32::from(s >> 4);
+            }
+        }
+        DType::Q3K => {
+            let d = f16_at(b, 108);
+            for (k, s) in g.scale.iter_mut().enumerate() {
+                *s = d * f32::from(scale_k3(&b[96..108], k));
+            }
+        }
+        DType::Q4K | DType::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            for (k, (scale, min)) in g.scale.iter_mut().zip(&mut g.min).enumerate() {
+                let (sc, m) = scale_min_k4(k / 2, &b[4..16]);
+                *scale = d * f32::from(sc);
+                *min = dmin * f32::from(m);
+            }
+        }
+        DType::Q6K => {
+            let d = f16_at(b, 208);
+            for (k, s) in g.scale.iter_mut().enumerate() {
+                *s = d * f32::from(b[192 + k] as i8);
+            }
+        }
+        other => panic!("{other} is not a k-quant type"),
+    }
+    g
+}
+
+/// The integer quants of one super-block of `dtype`, in element order (see the layouts in the
+/// module docs; every quant fits an i8).
+///
+/// Panics if `dtype` is not a k-quant type (a broken caller invariant).
+#[inline]
+pub fn quants(dtype: DType, b: &[u8], q: &mut [i8; QK_K]) {
+    for (e, q) in q.iter_mut().enumerate() {
+        // Value e sits in byte l of its 32-byte span; s is its bit pair in Q2_K/Q3_K/Q6_K bytes.
+        let l = e % 32;
+        *q = match dtype {
+            DType::Q2K => two_bit(&b[16..80], e) as i8,
+            DType::Q3K => {
+                let high = (b[l] >> (e / 32)) & 1;
+                two_bit(&b[32..96], e) as i8 - 4 * (1 - high as i8)
+            }
+            DType::Q4K => ((b[16 + 32 * (e / 64) + l] >> (4 * (e / 32 % 2))) & 0x0f) as i8,
+            DType::Q5K => {
+                let low = (b[48 + 32 * (e / 64) + l] >> (4 * (e / 32 % 2))) & 0x0f;
+                let high = (b[16 + l] >> (e / 32)) & 1;
+                (low | (high << 4)) as i8
+            }
+            DType::Q6K => {
+                let (h, s) = (e / 128, e % 128 / 32);
+                let low = (b[64 * h + e % 64] >> (4 * (e % 128 / 64))) & 0x0f;
+                let high = (b[128 + 32 * h + l] >> (2 * s)) & 3;
+                (low | (high << 4)) as i8 - 32
+            }
+            other => panic!("{other} is not a k-quant type"),
+        };
+    }
+}
+
+/// Decodes one super-block of `dtype` into 256 values through [`groups`] and [`quants`].
+pub fn decode_super_block(dtype: DType, b: &[u8], out: &mut [f32]) {
+    let g = groups(dtype, b);
+    let mut q = [0i8; QK_K];
+    quants(dtype, b, &mut q);
+    for (e, (o, q)) in out.iter_mut().zip(q).enumerate() {
+        *o = g.scale[e / GROUP] * f32::from(q) - g.min[e / GROUP];
+    }
+}
+
+/// The five-bit quant `j` (0..32) of a Q5_0/Q5_1 block whose `qh` is at `b[at..at + 4]`, its
+/// nibbles after.
+#[inline]
+pub fn q5(b: &[u8], at: usize, j: usize) -> u8 {
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let nib = b[at + 4 + j % 16];
+    let low = if j < 16 { nib & 0x0f } else { nib >> 4 };
+    low | ((((qh >> j) & 1) as u8) << 4)
+}
+
 /// Scale and min of Q4_K sub-block `j` (0..8) from the 12 packed bytes.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -110,24 +205,6 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
-    }
-}
-
-/// Decodes one Q4_K block (144 bytes) into 256 values.
-pub fn decode_q4_k(b: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qs) = (&b[4..16], &b[16..144]);
-    for c in 0..4 {
-        let (sc1, m1) = scale_min_k4(2 * c, scales);
-        let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
-        let (d1, d2) = (d * f32::from(sc1), d * f32::from(sc2));
-        let (m1, m2) = (dmin * f32::from(m1), dmin * f32::from(m2));
-        let q = &qs[32 * c..32 * c + 32];
-        let o = &mut out[64 * c..64 * c + 64];
-        for l in 0..32 {
-            o[l] = d1 * f32::from(q[l] & 0x0f) - m1;
-            o[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-        }
     }
 }
 
@@ -200,21 +277,6 @@ pub fn encode_q4_k(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Decodes one Q5_K block (176 bytes) into 256 values.
-pub fn decode_q5_k(b: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-    for s in 0..8 {
-        let (sc, m) = scale_min_k4(s, scales);
-        let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
-        for l in 0..32 {
-            let low = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f;
-            let high = (qh[l] >> s) & 1;
-            out[32 * s + l] = d1 * f32::from(low | (high << 4)) - m1;
-        }
-    }
-}
-
 /// Encodes 256 values as one Q5_K block (see [`scaled_min`]).
 pub fn encode_q5_k(x: &[f32], out: &mut [u8]) {
     let e = scaled_min(x, 32, 31.0, 63.0);
@@ -241,16 +303,6 @@ fn two_bit_at(i: usize) -> (usize, usize) {
     (32 * h + l, 2 * s)
 }
 
-/// Decodes one Q2_K block (84 bytes) into 256 values.
-pub fn decode_q2_k(b: &[u8], out: &mut [f32]) {
-    let (scales, qs) = (&b[..16], &b[16..80]);
-    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-    for (i, o) in out.iter_mut().enumerate().take(256) {
-        let s = scales[i / 16];
-        *o = d * f32::from(s & 0x0f) * f32::from(two_bit(qs, i)) - dmin * f32::from(s >> 4);
-    }
-}
-
 /// Encodes 256 values as one Q2_K block (see [`scaled_min`], 16-value sub-blocks).
 pub fn encode_q2_k(x: &[f32], out: &mut [u8]) {
     let e = scaled_min(x, 16, 3.0, 15.0);
@@ -271,17 +323,6 @@ fn scale_k3(q: &[u8], j: usize) -> i8 {
     let low = if j < 8 { q[j] & 0x0f } else { q[j - 8] >> 4 };
     let high = (q[8 + j % 4] >> (2 * (j / 4))) & 3;
     (low | (high << 4)) as i8 - 32
-}
-
-/// Decodes one Q3_K block (110 bytes) into 256 values.
-pub fn decode_q3_k(b: &[u8], out: &mut [f32]) {
-    let (hmask, qs, scales) = (&b[..32], &b[32..96], &b[96..108]);
-    let d = f16_at(b, 108);
-    for (i, o) in out.iter_mut().enumerate().take(256) {
-        let high = (hmask[i % 32] >> (i / 32)) & 1;
-        let q = i32::from(two_bit(qs, i)) - 4 * (1 - i32::from(high));
-        *o = d * f32::from(scale_k3(scales, i / 16)) * q as f32;
-    }
 }
 
 /// Encodes 256 values as one Q3_K block: per 16 values a signed step (`amax / 4`, values
@@ -325,26 +366,6 @@ pub fn encode_q3_k(x: &[f32], out: &mut [u8]) {
         out[i % 32] |= ((q >> 2) as u8) << (i / 32);
     }
     out[108..110].copy_from_slice(&d.to_le_bytes());
-}
-
-/// Decodes one Q6_K block (210 bytes) into 256 values.
-pub fn decode_q6_k(b: &[u8], out: &mut [f32]) {
-    let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
-    let d = f16_at(b, 208);
-    for h in 0..2 {
-        let (ql, qh, sc) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..]);
-        let o = &mut out[128 * h..128 * h + 128];
-        for l in 0..32 {
-            let is = l / 16;
-            let q =
-                |low: u8, shift: u32| f32::from((low | (((qh[l] >> shift) & 3) << 4)) as i8 - 32);
-            let s = |k: usize| d * f32::from(sc[is + k] as i8);
-            o[l] = s(0) * q(ql[l] & 0x0f, 0);
-            o[l + 32] = s(2) * q(ql[l + 32] & 0x0f, 2);
-            o[l + 64] = s(4) * q(ql[l] >> 4, 4);
-            o[l + 96] = s(6) * q(ql[l + 32] >> 4, 6);
-        }
-    }
 }
 
 /// Encodes 256 values as one Q6_K block: per 16 values a signed step (`amax / 31`), stored as an

@@ -26,22 +26,23 @@ pub enum DType {
     Q4_0,
     Q4_1,
     Q5_0,
-    #[serde(rename = "q4_k")]
-    Q4K,
-    #[serde(rename = "q6_k")]
-    Q6K,
     Q5_1,
     #[serde(rename = "q2_k")]
     Q2K,
     #[serde(rename = "q3_k")]
     Q3K,
+    #[serde(rename = "q4_k")]
+    Q4K,
     #[serde(rename = "q5_k")]
     Q5K,
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl DType {
-    /// Every supported type, plain floats first. The position is the type's code in the CUDA
-    /// kernels (`cuda-kernels/src/common.cuh`), so new types go at the end.
+    /// Every supported type, plain floats first, in declaration order. The position is the
+    /// type's index in the CPU kernel tables and its code in the CUDA kernels
+    /// (`cuda-kernels/src/common.cuh`), so new types go at the end.
     pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
@@ -50,12 +51,12 @@ impl DType {
         DType::Q4_0,
         DType::Q4_1,
         DType::Q5_0,
-        DType::Q4K,
-        DType::Q6K,
         DType::Q5_1,
         DType::Q2K,
         DType::Q3K,
+        DType::Q4K,
         DType::Q5K,
+        DType::Q6K,
     ];
 
     /// Whether values are stored one by one (f32, f16, bf16) rather than in blocks.
@@ -101,6 +102,19 @@ impl DType {
             return None;
         }
         Some(n / self.block_len() * self.block_bytes())
+    }
+
+    /// Byte offsets of the f16 scale fields inside one block (for tests and fuzzers that fill
+    /// blocks with random quants but finite scales).
+    pub const fn f16_fields(self) -> &'static [usize] {
+        match self {
+            DType::F32 | DType::F16 | DType::Bf16 => &[],
+            DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => &[0],
+            DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+            DType::Q2K => &[80, 82],
+            DType::Q3K => &[108],
+            DType::Q6K => &[208],
+        }
     }
 
     /// Lower-case name as used in file metadata and messages.
@@ -206,11 +220,9 @@ pub fn decode_block(dtype: DType, block: &[u8], out: &mut [f32]) {
     match dtype {
         DType::Q5_0 => kquant::decode_q5_0(block, out),
         DType::Q5_1 => kquant::decode_q5_1(block, out),
-        DType::Q2K => kquant::decode_q2_k(block, out),
-        DType::Q3K => kquant::decode_q3_k(block, out),
-        DType::Q4K => kquant::decode_q4_k(block, out),
-        DType::Q5K => kquant::decode_q5_k(block, out),
-        DType::Q6K => kquant::decode_q6_k(block, out),
+        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => {
+            kquant::decode_super_block(dtype, block, out)
+        }
         other => dequantize_row(other, block, out),
     }
 }
@@ -317,6 +329,14 @@ pub fn quantize_row_into(dtype: DType, x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn position_in_all_is_the_declaration_order() {
+        // The kernel tables index by `dtype as usize`.
+        for (i, dtype) in DType::ALL.into_iter().enumerate() {
+            assert_eq!(dtype as usize, i, "{dtype}");
+        }
+    }
 
     #[test]
     fn row_bytes_rejects_partial_blocks() {

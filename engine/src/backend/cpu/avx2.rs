@@ -10,10 +10,16 @@
 //! without saturation, and `_mm256_madd_epi16` against ones widens them to i32. Signed × signed
 //! products use the sign trick `maddubs(|a|, sign(b, a))`.
 
+mod kquant;
+
 use std::arch::x86_64::*;
 
-use super::{Kernels, Q8Block, decoded, scalar};
-use crate::quant::{DType, QK};
+use super::{Kernels, Q8Block, scalar};
+use crate::quant::QK;
+use kquant::{
+    axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q5_k,
+    dot_q6_k, q2_k_q8, q3_k_q8, q4_k_q8, q5_k_q8, q6_k_q8,
+};
 
 /// The AVX2 table, if this CPU has AVX2, FMA and F16C.
 pub(super) fn detect() -> Option<&'static Kernels> {
@@ -33,14 +39,28 @@ static KERNELS: Kernels = Kernels {
         table::dot_q4_0,
         table::dot_q4_1,
         table::dot_q5_0,
-        table::dot_q4_k,
-        table::dot_q6_k,
         table::dot_q5_1,
         table::dot_q2_k,
         table::dot_q3_k,
+        table::dot_q4_k,
         table::dot_q5_k,
+        table::dot_q6_k,
     ],
-    dot_q8: [table::q8_0_q8, table::q4_0_q8, table::q4_1_q8],
+    dot_q8: [
+        None,
+        None,
+        None,
+        Some(table::q8_0_q8),
+        Some(table::q4_0_q8),
+        Some(table::q4_1_q8),
+        Some(table::q5_0_q8),
+        Some(table::q5_1_q8),
+        Some(table::q2_k_q8),
+        Some(table::q3_k_q8),
+        Some(table::q4_k_q8),
+        Some(table::q5_k_q8),
+        Some(table::q6_k_q8),
+    ],
     axpy: [
         table::axpy_f32,
         table::axpy_f16,
@@ -49,12 +69,12 @@ static KERNELS: Kernels = Kernels {
         table::axpy_q4_0,
         table::axpy_q4_1,
         table::axpy_q5_0,
-        table::axpy_q4_k,
-        table::axpy_q6_k,
         table::axpy_q5_1,
         table::axpy_q2_k,
         table::axpy_q3_k,
+        table::axpy_q4_k,
         table::axpy_q5_k,
+        table::axpy_q6_k,
     ],
     quantize: table::quantize,
 };
@@ -81,28 +101,35 @@ mod table {
         fn dot_q4_0(row: &[u8], x: &[f32]) -> f32;
         fn dot_q4_1(row: &[u8], x: &[f32]) -> f32;
         fn dot_q5_0(row: &[u8], x: &[f32]) -> f32;
-        fn dot_q4_k(row: &[u8], x: &[f32]) -> f32;
-        fn dot_q6_k(row: &[u8], x: &[f32]) -> f32;
-        fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]);
-        fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
-        fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
         fn dot_q5_1(row: &[u8], x: &[f32]) -> f32;
         fn dot_q2_k(row: &[u8], x: &[f32]) -> f32;
         fn dot_q3_k(row: &[u8], x: &[f32]) -> f32;
+        fn dot_q4_k(row: &[u8], x: &[f32]) -> f32;
         fn dot_q5_k(row: &[u8], x: &[f32]) -> f32;
-        fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]);
-        fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]);
-        fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]);
-        fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn dot_q6_k(row: &[u8], x: &[f32]) -> f32;
         fn q8_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q5_0_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q5_1_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q2_k_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q3_k_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q4_k_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q5_k_q8(row: &[u8], acts: &[Q8Block]) -> f32;
+        fn q6_k_q8(row: &[u8], acts: &[Q8Block]) -> f32;
         fn axpy_f32(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_f16(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_bf16(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q8_0(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q4_0(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q4_1(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
         fn quantize(x: &[f32], out: &mut [Q8Block]);
     }
 }
@@ -214,6 +241,29 @@ fn nibbles(b: &[u8], at: usize) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
+/// Byte `j` of the result is 0xff where bit `j` of `bits` is set, else 0: the byte shuffle gives
+/// byte `j` a copy of byte `j / 8` of `bits`, and the compare tests its bit `j % 8`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bits_to_bytes(bits: u32) -> __m256i {
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
+    let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask)
+}
+
+/// The 32 five-bit quants (0..=31) of a Q5 block whose `qh` is at `b[at..at + 4]`, nibbles after.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q5_bytes(b: &[u8], at: usize) -> __m256i {
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let high = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+    _mm256_or_si256(nibbles(b, at + 4), high)
+}
+
 /// Eight i8 values (low half of `v`) as f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -309,6 +359,14 @@ fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q_dot_x(q: __m256i, xb: &[f32; QK]) -> __m256 {
+    let (s01, s23) = q_dot_x_halves(q, xb);
+    _mm256_add_ps(s01, s23)
+}
+
+/// [`q_dot_x`] as partial sums over elements 0..16 and 16..32 (the k-quants scale each half).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q_dot_x_halves(q: __m256i, xb: &[f32; QK]) -> (__m256, __m256) {
     let lo = _mm256_castsi256_si128(q);
     let hi = _mm256_extracti128_si256::<1>(q);
     let s01 = _mm256_fmadd_ps(
@@ -321,7 +379,7 @@ fn q_dot_x(q: __m256i, xb: &[f32; QK]) -> __m256 {
         ld_ps(xb, 16),
         _mm256_mul_ps(i8x8_ps(_mm_unpackhi_epi64(hi, hi)), ld_ps(xb, 24)),
     );
-    _mm256_add_ps(s01, s23)
+    (s01, s23)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -366,6 +424,41 @@ fn dot_q4_1(row: &[u8], x: &[f32]) -> f32 {
         let s23 = _mm256_fmadd_ps(q2, x2, _mm256_mul_ps(q3, x3));
         let sx = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
         tq = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), _mm256_add_ps(s01, s23), tq);
+        tx = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 2)), sx, tx);
+    }
+    hsum(_mm256_add_ps(tq, tx))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
+    let (blocks, _) = row.as_chunks::<22>();
+    let (xs, _) = x.as_chunks::<QK>();
+    let sixteen = _mm256_set1_epi8(16);
+    let mut total = _mm256_setzero_ps();
+    for (b, xb) in blocks.iter().zip(xs) {
+        let q = _mm256_sub_epi8(q5_bytes(b, 2), sixteen);
+        total = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0)), q_dot_x(q, xb), total);
+    }
+    hsum(total)
+}
+
+/// Q5_1: `d·Σq·x + m·Σx` per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
+    let (blocks, _) = row.as_chunks::<24>();
+    let (xs, _) = x.as_chunks::<QK>();
+    let mut tq = _mm256_setzero_ps();
+    let mut tx = _mm256_setzero_ps();
+    for (b, xb) in blocks.iter().zip(xs) {
+        let sx = _mm256_add_ps(
+            _mm256_add_ps(ld_ps(xb, 0), ld_ps(xb, 8)),
+            _mm256_add_ps(ld_ps(xb, 16), ld_ps(xb, 24)),
+        );
+        tq = _mm256_fmadd_ps(
+            _mm256_set1_ps(f16_at(b, 0)),
+            q_dot_x(q5_bytes(b, 4), xb),
+            tq,
+        );
         tx = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 2)), sx, tx);
     }
     hsum(_mm256_add_ps(tq, tx))
@@ -420,6 +513,33 @@ fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
     let mut ms = 0f32;
     for (b, a) in blocks.iter().zip(acts) {
         let p = mul_sum_us(nibbles(b, 4), ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+        ms += f16_at(b, 2) * a.s;
+    }
+    hsum(acc) + ms
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<22>();
+    let sixteen = _mm256_set1_epi8(16);
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in blocks.iter().zip(acts) {
+        let w = _mm256_sub_epi8(q5_bytes(b, 2), sixteen);
+        let p = mul_sum_ss(w, ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+    }
+    hsum(acc)
+}
+
+/// Q5_1 × Q8: `d5·d8·Σ q5·q8 + m5·s8` per block.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<24>();
+    let mut acc = _mm256_setzero_ps();
+    let mut ms = 0f32;
+    for (b, a) in blocks.iter().zip(acts) {
+        let p = mul_sum_us(q5_bytes(b, 4), ld_q(&a.q));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
         ms += f16_at(b, 2) * a.s;
     }
@@ -531,6 +651,26 @@ fn axpy_q4_1(row: &[u8], a: f32, out: &mut [f32]) {
     }
 }
 
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
+    let (blocks, _) = row.as_chunks::<22>();
+    let (outs, _) = out.as_chunks_mut::<QK>();
+    let sixteen = _mm256_set1_epi8(16);
+    for (b, o) in blocks.iter().zip(outs) {
+        let q = _mm256_sub_epi8(q5_bytes(b, 2), sixteen);
+        axpy_block(q, f16_at(b, 0), 0.0, a, o);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
+    let (blocks, _) = row.as_chunks::<24>();
+    let (outs, _) = out.as_chunks_mut::<QK>();
+    for (b, o) in blocks.iter().zip(outs) {
+        axpy_block(q5_bytes(b, 4), f16_at(b, 0), f16_at(b, 2), a, o);
+    }
+}
+
 // ---- activation quantisation -------------------------------------------------------------------
 
 /// Bit-identical to `scalar::quantize_block` for whole blocks (same `d`, `1/d`, ties-to-even).
@@ -571,77 +711,4 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
     {
         scalar::quantize_block(tail, o);
     }
-}
-
-// The block types without hand-written kernels: the shared decode-then-multiply bodies of
-// `decoded`, compiled with this table's features.
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5_0, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q4K, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q6K, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5_0, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q4K, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q6K, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5_1, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5_1, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q2K, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q2K, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q3_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q3K, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q3K, row, a, out)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q5_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5K, row, x)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5K, row, a, out)
 }

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index, q8_index, row_prefix};
+use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index, row_prefix};
 use crate::model::QRows;
 
 /// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
@@ -46,10 +46,11 @@ fn run(
 ) {
     assert_eq!(x.len(), m.cols, "activations vs matrix columns");
     // Types without an integer path are exact in either precision.
-    let q8 = q8_index(m.dtype).filter(|_| precision == Precision::Fast);
-    if let Some(i) = q8 {
+    let fast = k
+        .integer_dot(m.dtype)
+        .filter(|_| precision == Precision::Fast);
+    if let Some(dot) = fast {
         scratch.quantize_with(k, x);
-        let dot = k.dot_q8[i];
         let acts = scratch.blocks();
         fill(out, |r| {
             dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), acts)

@@ -7,6 +7,10 @@
 //! choice is made once, on first use, and cached as a table of function pointers ([`Kernels`]).
 //! Nothing is compiled with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
 //!
+//! Both tables cover every [`DType`]. The k-quant super-blocks go through their one decoded form
+//! (per 16 values a float scale and min, per value an i8 quant: `scalar_kquant`,
+//! `avx2/kquant.rs`).
+//!
 //! aarch64 runs the scalar kernels for now (TODO: NEON versions of the same table; this
 //! workspace's build machine has no aarch64 toolchain to compile or test them).
 //!
@@ -14,7 +18,9 @@
 //! [`Precision::Exact`] multiplies f32 activations with dequantised weights (within ~1e-3 of an f32
 //! reference over a whole model). [`Precision::Fast`] first quantises the activations to 8-bit
 //! blocks ([`QuantizedActs`]) and takes integer dot products, as llama.cpp does; its error is
-//! around 1e-2 relative per dot product. See DESIGN.md §10 for when each is appropriate.
+//! around 1e-2 relative per dot product. Every quantised type has an integer path: a k-quant
+//! super-block lines up with eight activation blocks of 32, each product split in two for the
+//! 16-value groups (a group's min multiplies the integer sum of its activation bytes). See DESIGN.md §10 for when each is appropriate.
 //!
 //! # Allocation
 //! No kernel allocates. [`QuantizedActs`] is sized once; the mat-vecs write into caller buffers.
@@ -22,11 +28,11 @@
 mod attend;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-mod decoded;
 mod dense;
 mod matvec;
 mod partial;
 mod scalar;
+mod scalar_kquant;
 #[cfg(test)]
 mod tests;
 
@@ -47,7 +53,7 @@ pub enum Precision {
     #[default]
     Exact,
     /// Activations quantised to 8-bit blocks (scale `d`, block sum `s`, as llama.cpp's Q8_1) with
-    /// integer dot products. Applies to Q8_0/Q4_0/Q4_1 rows; float rows are always exact.
+    /// integer dot products. Applies to every quantised type; float rows are always exact.
     Fast,
 }
 
@@ -188,40 +194,19 @@ pub struct Kernels {
     name: &'static str,
     /// Indexed by [`dtype_index`].
     dot: [DotFn; DType::ALL.len()],
-    /// Indexed by [`q8_index`] (Q8_0, Q4_0, Q4_1: the types with integer kernels).
-    dot_q8: [DotQ8Fn; 3],
+    /// Indexed by [`dtype_index`]: the integer dot product against 8-bit activation blocks;
+    /// `None` for the float types, which take the exact `dot` in either precision.
+    dot_q8: [Option<DotQ8Fn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`].
     axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
 }
 
+/// Where `dtype`'s kernels sit in a table: its position in [`DType::ALL`], which is its
+/// declaration order (a test checks the two agree).
+#[inline]
 fn dtype_index(dtype: DType) -> usize {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Bf16 => 2,
-        DType::Q8_0 => 3,
-        DType::Q4_0 => 4,
-        DType::Q4_1 => 5,
-        DType::Q5_0 => 6,
-        DType::Q4K => 7,
-        DType::Q6K => 8,
-        DType::Q5_1 => 9,
-        DType::Q2K => 10,
-        DType::Q3K => 11,
-        DType::Q5K => 12,
-    }
-}
-
-/// Where `dtype`'s integer kernel sits in `dot_q8`, for the types that have one; the others
-/// (floats, and the block types of [`decoded`]) are exact in either precision.
-fn q8_index(dtype: DType) -> Option<usize> {
-    match dtype {
-        DType::Q8_0 => Some(0),
-        DType::Q4_0 => Some(1),
-        DType::Q4_1 => Some(2),
-        _ => None,
-    }
+    dtype as usize
 }
 
 /// The bytes of a row of `n` values of `dtype`, checked. Panics on a broken caller invariant.
@@ -261,6 +246,12 @@ impl Kernels {
         self.name
     }
 
+    /// The integer kernel of `dtype` ([`Precision::Fast`]), or `None` for the float types.
+    #[inline]
+    fn integer_dot(&self, dtype: DType) -> Option<DotQ8Fn> {
+        self.dot_q8[dtype_index(dtype)]
+    }
+
     /// Exact `Σ dequant(row)·x`; `x.len()` is the number of values in the row.
     ///
     /// Panics if `x.len()` is not a whole number of blocks or `row` is too short.
@@ -275,8 +266,8 @@ impl Kernels {
     /// Panics if `x.len()` is not a whole number of blocks or `row` is too short.
     #[inline]
     pub fn dot_q8(&self, dtype: DType, row: &[u8], x: &QuantizedActs) -> f32 {
-        match q8_index(dtype) {
-            Some(i) => (self.dot_q8[i])(row_prefix(dtype, row, x.len()), &x.blocks),
+        match self.integer_dot(dtype) {
+            Some(dot) => dot(row_prefix(dtype, row, x.len()), &x.blocks),
             None => self.dot(dtype, row, &x.x),
         }
     }
@@ -316,9 +307,8 @@ impl Kernels {
     #[inline]
     pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
         assert_eq!(x.len(), m.cols, "activations vs matrix columns");
-        match (x.blocks, q8_index(m.dtype)) {
-            (Some(b), Some(i)) => {
-                let dot = self.dot_q8[i];
+        match (x.blocks, self.integer_dot(m.dtype)) {
+            (Some(b), Some(dot)) => {
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), b);
                 }
@@ -392,7 +382,7 @@ pub fn dot(dtype: DType, row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// Fast dot product against activations quantised with [`QuantizedActs::quantize`], for
-/// Q8_0/Q4_0/Q4_1 rows (integer products, ~1e-2 relative error); F32/F16/BF16 rows fall back to
+/// quantised rows (integer products, ~1e-2 relative error); F32/F16/BF16 rows fall back to
 /// [`dot`] with the original activations.
 ///
 /// Panics if `x.len()` is not a whole number of `dtype` blocks or `row` holds fewer bytes.

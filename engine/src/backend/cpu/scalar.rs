@@ -4,20 +4,58 @@
 
 use half::{bf16, f16};
 
-use super::{Kernels, Q8Block, decoded};
-use crate::quant::DType;
+use super::scalar_kquant as k;
+use super::{Kernels, Q8Block};
 use crate::quant::QK;
+use crate::quant::kquant::q5;
 
+/// In [`DType::ALL`](crate::quant::DType::ALL) order.
 pub(super) static KERNELS: Kernels = Kernels {
     name: "scalar",
     dot: [
-        dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_1, dot_q5_0, dot_q4_k, dot_q6_k,
-        dot_q5_1, dot_q2_k, dot_q3_k, dot_q5_k,
+        dot_f32,
+        dot_f16,
+        dot_bf16,
+        dot_q8_0,
+        dot_q4_0,
+        dot_q4_1,
+        dot_q5_0,
+        dot_q5_1,
+        k::dot_q2_k,
+        k::dot_q3_k,
+        k::dot_q4_k,
+        k::dot_q5_k,
+        k::dot_q6_k,
     ],
-    dot_q8: [q8_0_q8, q4_0_q8, q4_1_q8],
+    dot_q8: [
+        None,
+        None,
+        None,
+        Some(q8_0_q8),
+        Some(q4_0_q8),
+        Some(q4_1_q8),
+        Some(q5_0_q8),
+        Some(q5_1_q8),
+        Some(k::q2_k_q8),
+        Some(k::q3_k_q8),
+        Some(k::q4_k_q8),
+        Some(k::q5_k_q8),
+        Some(k::q6_k_q8),
+    ],
     axpy: [
-        axpy_f32, axpy_f16, axpy_bf16, axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q4_k,
-        axpy_q6_k, axpy_q5_1, axpy_q2_k, axpy_q3_k, axpy_q5_k,
+        axpy_f32,
+        axpy_f16,
+        axpy_bf16,
+        axpy_q8_0,
+        axpy_q4_0,
+        axpy_q4_1,
+        axpy_q5_0,
+        axpy_q5_1,
+        k::axpy_q2_k,
+        k::axpy_q3_k,
+        k::axpy_q4_k,
+        k::axpy_q5_k,
+        k::axpy_q6_k,
     ],
     quantize,
 };
@@ -129,6 +167,24 @@ fn dot_q4_1(row: &[u8], x: &[f32]) -> f32 {
     )
 }
 
+fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
+    blocks_dot::<22>(
+        row,
+        x,
+        |b| (f16_at(b, 0), 0.0),
+        |b, j| f32::from(q5(b, 2, j)) - 16.0,
+    )
+}
+
+fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
+    blocks_dot::<24>(
+        row,
+        x,
+        |b| (f16_at(b, 0), f16_at(b, 2)),
+        |b, j| f32::from(q5(b, 4, j)),
+    )
+}
+
 fn q8_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
     let (blocks, _) = row.as_chunks::<34>();
     let mut total = 0f32;
@@ -159,6 +215,30 @@ fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
     for (b, a) in blocks.iter().zip(acts) {
         let isum: i32 = (0..QK)
             .map(|j| i32::from(nibble(b, 4, j)) * i32::from(a.q[j]))
+            .sum();
+        total += f16_at(b, 0) * a.d * isum as f32 + f16_at(b, 2) * a.s;
+    }
+    total
+}
+
+fn q5_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<22>();
+    let mut total = 0f32;
+    for (b, a) in blocks.iter().zip(acts) {
+        let isum: i32 = (0..QK)
+            .map(|j| (i32::from(q5(b, 2, j)) - 16) * i32::from(a.q[j]))
+            .sum();
+        total += f16_at(b, 0) * a.d * isum as f32;
+    }
+    total
+}
+
+fn q5_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<24>();
+    let mut total = 0f32;
+    for (b, a) in blocks.iter().zip(acts) {
+        let isum: i32 = (0..QK)
+            .map(|j| i32::from(q5(b, 4, j)) * i32::from(a.q[j]))
             .sum();
         total += f16_at(b, 0) * a.d * isum as f32 + f16_at(b, 2) * a.s;
     }
@@ -232,6 +312,26 @@ fn axpy_q4_1(row: &[u8], a: f32, out: &mut [f32]) {
     );
 }
 
+fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
+    blocks_axpy::<22>(
+        row,
+        a,
+        out,
+        |b| (f16_at(b, 0), 0.0),
+        |b, j| f32::from(q5(b, 2, j)) - 16.0,
+    );
+}
+
+fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
+    blocks_axpy::<24>(
+        row,
+        a,
+        out,
+        |b| (f16_at(b, 0), f16_at(b, 2)),
+        |b, j| f32::from(q5(b, 4, j)),
+    );
+}
+
 /// Quantises one block (`x.len() <= 32`, the rest taken as zeros): `d = amax / 127`,
 /// `q = round_ties_even(x / d)`, `s = d · Σq`. The AVX2 kernel computes the same bits.
 pub(super) fn quantize_block(x: &[f32], out: &mut Q8Block) {
@@ -252,60 +352,4 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
     for (xb, o) in x.chunks(QK).zip(out) {
         quantize_block(xb, o);
     }
-}
-
-fn dot_q5_0(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5_0, row, x)
-}
-
-fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q4K, row, x)
-}
-
-fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q6K, row, x)
-}
-
-fn axpy_q5_0(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5_0, row, a, out)
-}
-
-fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q4K, row, a, out)
-}
-
-fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q6K, row, a, out)
-}
-
-fn dot_q5_1(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5_1, row, x)
-}
-
-fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5_1, row, a, out)
-}
-
-fn dot_q2_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q2K, row, x)
-}
-
-fn axpy_q2_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q2K, row, a, out)
-}
-
-fn dot_q3_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q3K, row, x)
-}
-
-fn axpy_q3_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q3K, row, a, out)
-}
-
-fn dot_q5_k(row: &[u8], x: &[f32]) -> f32 {
-    decoded::dot(DType::Q5K, row, x)
-}
-
-fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]) {
-    decoded::axpy(DType::Q5K, row, a, out)
 }

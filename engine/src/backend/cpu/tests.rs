@@ -7,70 +7,13 @@ use super::*;
 use crate::model::TensorBytes;
 use crate::quant::{dequantize_row, quantize_row};
 
-const DTYPES: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
+const DTYPES: [DType; 13] = DType::ALL;
 
-/// The 256-value block types (and Q5_0), whose kernels decode each block and multiply in f32.
-const DECODED: [DType; 7] = [
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-];
-
-#[test]
-fn decoded_block_kernels_match_the_oracle_in_either_precision() {
-    let mut rng = Rng(40);
-    let mut acts = QuantizedActs::new(4096);
-    for k in tables() {
-        for dtype in DECODED {
-            for n in [256, 512, 768, 2048, 4096] {
-                let row = quantized(dtype, &rng.vec(n, 0.5));
-                let x = rng.vec(n, 2.0);
-                let mut w = vec![0f32; n];
-                dequantize_row(dtype, &row, &mut w);
-                let want: f64 = w
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                    .sum();
-                let scale: f64 = w
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| f64::from((a * b).abs()))
-                    .sum();
-                let got = f64::from(k.dot(dtype, &row, &x));
-                assert!(
-                    (got - want).abs() <= 1e-5 * scale,
-                    "{} {dtype} n={n}",
-                    k.name()
-                );
-                acts.quantize_with(k, &x);
-                assert_eq!(
-                    k.dot_q8(dtype, &row, &acts),
-                    k.dot(dtype, &row, &x),
-                    "no fast path"
-                );
-                let mut out = vec![0.25f32; n];
-                k.axpy(dtype, &row, -1.5, &mut out);
-                for (o, v) in out.iter().zip(&w) {
-                    assert!(
-                        (o - (0.25 - 1.5 * v)).abs() <= 1e-5 * (1.0 + v.abs()),
-                        "{dtype}"
-                    );
-                }
-            }
-        }
-    }
+/// `cols` rounded up to whole blocks of `dtype`: the shapes below are chosen for 32-value blocks
+/// (odd block counts, rows that are not a multiple of the SIMD width); the 256-value k-quant
+/// super-blocks get the next width that fits.
+fn width(dtype: DType, cols: usize) -> usize {
+    cols.next_multiple_of(dtype.block_len())
 }
 
 /// The tables to test: scalar, and the best one when it differs.
@@ -121,9 +64,10 @@ fn oracle(dtype: DType, row: &[u8], x: &[f32]) -> (f64, f64) {
 }
 
 fn tolerance(dtype: DType, precision: Precision) -> f64 {
-    match (precision, dtype.block_len()) {
-        (Precision::Fast, 32) => 1e-2,
-        _ => 1e-5,
+    if precision == Precision::Fast && !dtype.is_float() {
+        1e-2
+    } else {
+        1e-5
     }
 }
 
@@ -173,7 +117,7 @@ fn check_dot(
     acts.quantize_with(k, x);
     let got = k.dot_q8(dtype, row, acts);
     let what = format!("{name} dot_q8 {dtype} {what}");
-    if extreme && dtype.block_len() == QK {
+    if extreme && !dtype.is_float() {
         let err = (f64::from(got) - want.0).abs();
         let bound = fast_bound(dtype, row, x);
         assert!(
@@ -192,7 +136,7 @@ fn dot_matches_oracle_for_every_length() {
     let mut acts = QuantizedActs::new(4096);
     for k in tables() {
         for dtype in DTYPES {
-            for n in (32..=4096).step_by(32) {
+            for n in (dtype.block_len().max(32)..=4096).step_by(dtype.block_len().max(32)) {
                 let row = quantized(dtype, &rng.vec(n, 0.5));
                 let x = rng.vec(n, 2.0);
                 check_dot(k, dtype, &row, &x, &mut acts, &format!("n={n}"), false);
@@ -266,11 +210,11 @@ fn fast_path_is_integer_exact_on_quantised_activations() {
     // With activations that are already 8-bit (x = d·q), the fast path has no quantisation error
     // left, so it must agree with the oracle as tightly as the exact one.
     let mut rng = Rng(4);
-    let mut acts = QuantizedActs::new(576);
+    let mut acts = QuantizedActs::new(768);
     for k in tables() {
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let row = quantized(dtype, &rng.vec(576, 1.0));
-            let x: Vec<f32> = (0..576)
+        for dtype in DTYPES.into_iter().filter(|d| !d.is_float()) {
+            let row = quantized(dtype, &rng.vec(768, 1.0));
+            let x: Vec<f32> = (0..768)
                 .map(|j| {
                     if j % 32 == 0 {
                         127.0
@@ -314,7 +258,12 @@ fn axpy_matches_oracle() {
     let mut rng = Rng(5);
     for k in tables() {
         for dtype in DTYPES {
-            for n in (32..=4096).step_by(32 * 7) {
+            let step = if dtype.is_float() {
+                32 * 7
+            } else {
+                dtype.block_len() * 7
+            };
+            for n in (dtype.block_len().max(32)..=4096).step_by(step) {
                 let row = quantized(dtype, &rng.vec(n, 1.0));
                 let a = rng.unit() * 3.0;
                 let mut out = rng.vec(n, 2.0);
@@ -364,7 +313,7 @@ fn matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize, strided: bool) 
 #[test]
 fn matvec_and_matvec_rows_match_oracle() {
     let mut rng = Rng(6);
-    let mut scratch = QuantizedActs::new(576);
+    let mut scratch = QuantizedActs::new(768);
     for k in tables() {
         for dtype in DTYPES {
             for (rows, cols, strided) in [
@@ -376,6 +325,7 @@ fn matvec_and_matvec_rows_match_oracle() {
                 (1001, 576, false),
                 (777, 160, true),
             ] {
+                let cols = width(dtype, cols);
                 let m = matrix(&mut rng, dtype, rows, cols, strided);
                 let x = rng.vec(cols, 1.0);
                 let wants: Vec<_> = (0..rows).map(|i| oracle(dtype, m.row(i), &x)).collect();
@@ -413,7 +363,7 @@ fn fused_and_batched_matvecs_match_matvec() {
     let mut rng = Rng(9);
     for k in tables() {
         for dtype in DTYPES {
-            let cols = 96;
+            let cols = width(dtype, 96);
             let (a, b) = (
                 matrix(&mut rng, dtype, 70, cols, false),
                 matrix(&mut rng, dtype, 33, cols, true),
@@ -522,7 +472,7 @@ proptest! {
         scale_exp in -12i32..12,
     ) {
         let mut rng = Rng(seed);
-        let n = blocks * QK;
+        let n = blocks * dtype.block_len().max(QK);
         let scale = 2f32.powi(scale_exp);
         let row: Vec<u8> = if dtype.block_len() == 1 {
             quantized(dtype, &rng.vec(n, scale))
@@ -531,10 +481,9 @@ proptest! {
                 .map(|_| rng.next() as u8)
                 .collect();
             for b in row.chunks_exact_mut(dtype.block_bytes()) {
-                let scales = if dtype == DType::Q4_1 { 2 } else { 1 };
-                for s in 0..scales {
+                for &at in dtype.f16_fields() {
                     let v = half::f16::from_f32(rng.unit() * scale).to_le_bytes();
-                    b[2 * s..2 * s + 2].copy_from_slice(&v);
+                    b[at..at + 2].copy_from_slice(&v);
                 }
             }
             row

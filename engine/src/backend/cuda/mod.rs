@@ -53,10 +53,6 @@ fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
-/// The stored types the CUDA kernels decode (`cuda-kernels/src/common.cuh`); Q5_0/Q5_1 and the
-/// k-quants are not among them yet, and a model with such matrices stays on the CPU.
-pub const KERNEL_DTYPES: &[DType] = DType::ALL.split_at(6).0;
-
 /// The kernel type code of `dtype` (`cuda-kernels/src/common.cuh`: the order of [`DType::ALL`]).
 pub fn dtype_code(dtype: DType) -> i32 {
     DType::ALL

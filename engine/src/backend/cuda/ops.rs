@@ -19,10 +19,6 @@ impl KernelOps for CudaBackend {
         format!("cuda ({})", self.device())
     }
 
-    fn dtypes(&self) -> &'static [crate::quant::DType] {
-        super::KERNEL_DTYPES
-    }
-
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
         let rows = check_rows(x, weight)?;
         let (dx, dw) = (upload("x", x)?, upload("weight", weight)?);

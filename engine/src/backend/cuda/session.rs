@@ -179,23 +179,6 @@ impl CudaModel {
             ));
         }
         let w = &model.weights;
-        let matrices = w
-            .layers
-            .iter()
-            .flat_map(|l| l.matrices())
-            .chain([&w.token_embd, &w.output]);
-        if let Some(m) = matrices
-            .into_iter()
-            .find(|m| !super::KERNEL_DTYPES.contains(&m.dtype))
-        {
-            return Err(Error::unsupported(
-                &model.path,
-                format!(
-                    "the CUDA kernels do not read {} matrices yet; use --backend cpu",
-                    m.dtype
-                ),
-            ));
-        }
         gpu.bind()?;
         let c = &w.config;
         let first = &w.layers[0].ffn;

@@ -1,0 +1,219 @@
+//! AVX2 kernels for the k-quant super-blocks.
+//!
+//! Each type only says how to decode one 32-value span of a super-block into 32 signed bytes (its
+//! integer quants, in element order: `span_*`); the scales and mins come from the scalar decoder
+//! ([`groups`], sixteen floats per 256 values, cheap next to the products). The three kernels are
+//! then shared by every type:
+//!
+//! - exact dot: the span's bytes widened to f32 and multiplied with `x` in two halves (the two
+//!   16-value groups), each half scaled by its group's scale; the mins times `Σx` per group.
+//! - fast dot: `maddubs`/`madd` over the span against one 32-value activation block gives eight
+//!   i32 sums, lanes 0-3 from the first group and 4-7 from the second, so one vector of
+//!   `[scale_0 × 4, scale_1 × 4]` scales both groups at once; the mins use the same sums of the
+//!   activation bytes against ones.
+//! - axpy: `w = scale · q - min` rounded as the scalar dequantiser rounds it, then `out += a · w`.
+//!
+//! The span decoders rely on one fact: shifting 16-bit lanes right by `n < 8` and masking each
+//! byte to its low bits gives every byte's own bits `n..`, because what the shift pulls in from
+//! the neighbouring byte lands in the bits the mask clears.
+
+use std::arch::x86_64::*;
+
+use super::{
+    Q8Block, hsum, i8x8_ps, ld_32, ld_ps, ld_q, mul_sum_ss, mul_sum_us, q_dot_x_halves, st_ps,
+};
+use crate::quant::kquant::QK_K;
+use crate::quant::kquant::groups;
+use crate::quant::{DType, QK};
+
+/// Bits `n..` of every byte of `v`, masked to `mask`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn bits(v: __m256i, n: usize, mask: i8) -> __m256i {
+    let shifted = _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(mask))
+}
+
+/// `q2_k`: two bits per value, four values per byte of the 32-byte half `s / 4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn span_q2_k(b: &[u8], s: usize) -> __m256i {
+    bits(ld_32(b, 16 + 32 * (s / 4)), 2 * (s % 4), 3)
+}
+
+/// `q3_k`: two low bits as `q2_k` (at 32), minus 4 where bit `s` of `hmask` is clear.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn span_q3_k(b: &[u8], s: usize) -> __m256i {
+    let low = bits(ld_32(b, 32 + 32 * (s / 4)), 2 * (s % 4), 3);
+    let high = bits(ld_32(b, 0), s, 1);
+    _mm256_sub_epi8(
+        _mm256_or_si256(low, _mm256_slli_epi16::<2>(high)),
+        _mm256_set1_epi8(4),
+    )
+}
+
+/// `q4_k`: span `s` is the low (even `s`) or high nibbles of the 32 bytes at `16 + 32 (s / 2)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn span_q4_k(b: &[u8], s: usize) -> __m256i {
+    bits(ld_32(b, 16 + 32 * (s / 2)), 4 * (s % 2), 0x0f)
+}
+
+/// `q5_k`: nibbles as `q4_k` (at 48), bit 4 from bit `s` of `qh` (at 16).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn span_q5_k(b: &[u8], s: usize) -> __m256i {
+    let low = bits(ld_32(b, 48 + 32 * (s / 2)), 4 * (s % 2), 0x0f);
+    let high = bits(ld_32(b, 16), s, 1);
+    _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
+}
+
+/// `q6_k`: in half `h = s / 4`, span `t = s % 4` takes nibble `t / 2` of the 32 `ql` bytes at
+/// `64h + 32 (t % 2)` and bits `2t..2t+2` of the 32 `qh` bytes at `128 + 32h`, minus 32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn span_q6_k(b: &[u8], s: usize) -> __m256i {
+    let (h, t) = (s / 4, s % 4);
+    let low = bits(ld_32(b, 64 * h + 32 * (t % 2)), 4 * (t / 2), 0x0f);
+    let high = bits(ld_32(b, 128 + 32 * h), 2 * t, 3);
+    _mm256_sub_epi8(
+        _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)),
+        _mm256_set1_epi8(32),
+    )
+}
+
+/// Whether `dtype` has sub-block mins (the others skip that half of the work).
+const fn has_min(dtype: DType) -> bool {
+    matches!(dtype, DType::Q2K | DType::Q4K | DType::Q5K)
+}
+
+/// A vector of four `lo` then four `hi`: one scale per 16-value group of a span's i32 sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn pair(lo: f32, hi: f32) -> __m256 {
+    _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn dot<const BB: usize>(
+    dtype: DType,
+    row: &[u8],
+    x: &[f32],
+    span: impl Fn(&[u8], usize) -> __m256i,
+) -> f32 {
+    let (blocks, _) = row.as_chunks::<BB>();
+    let (xs, _) = x.as_chunks::<QK_K>();
+    let mut acc = _mm256_setzero_ps();
+    let mut macc = _mm256_setzero_ps();
+    for (b, xb) in blocks.iter().zip(xs) {
+        let g = groups(dtype, b);
+        let (spans, _) = xb.as_chunks::<QK>();
+        for (s, x32) in spans.iter().enumerate() {
+            let (lo, hi) = q_dot_x_halves(span(b, s), x32);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(g.scale[2 * s]), lo, acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(g.scale[2 * s + 1]), hi, acc);
+            if has_min(dtype) {
+                let sx_lo = _mm256_add_ps(ld_ps(x32, 0), ld_ps(x32, 8));
+                let sx_hi = _mm256_add_ps(ld_ps(x32, 16), ld_ps(x32, 24));
+                macc = _mm256_fmadd_ps(_mm256_set1_ps(g.min[2 * s]), sx_lo, macc);
+                macc = _mm256_fmadd_ps(_mm256_set1_ps(g.min[2 * s + 1]), sx_hi, macc);
+            }
+        }
+    }
+    hsum(acc) - hsum(macc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn dot_q8<const BB: usize>(
+    dtype: DType,
+    row: &[u8],
+    acts: &[Q8Block],
+    span: impl Fn(&[u8], usize) -> __m256i,
+) -> f32 {
+    let (blocks, _) = row.as_chunks::<BB>();
+    let ones = _mm256_set1_epi8(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut macc = _mm256_setzero_ps();
+    for (b, ab) in blocks.iter().zip(acts.chunks_exact(QK_K / QK)) {
+        let g = groups(dtype, b);
+        for (s, a) in ab.iter().enumerate() {
+            let aq = ld_q(&a.q);
+            let p = mul_sum_ss(span(b, s), aq);
+            let sc = pair(g.scale[2 * s] * a.d, g.scale[2 * s + 1] * a.d);
+            acc = _mm256_fmadd_ps(sc, p, acc);
+            if has_min(dtype) {
+                let qs = mul_sum_us(ones, aq);
+                let mn = pair(g.min[2 * s] * a.d, g.min[2 * s + 1] * a.d);
+                macc = _mm256_fmadd_ps(mn, qs, macc);
+            }
+        }
+    }
+    hsum(acc) - hsum(macc)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn axpy<const BB: usize>(
+    dtype: DType,
+    row: &[u8],
+    a: f32,
+    out: &mut [f32],
+    span: impl Fn(&[u8], usize) -> __m256i,
+) {
+    let (blocks, _) = row.as_chunks::<BB>();
+    let (outs, _) = out.as_chunks_mut::<QK_K>();
+    let av = _mm256_set1_ps(a);
+    for (b, ob) in blocks.iter().zip(outs) {
+        let g = groups(dtype, b);
+        let (spans, _) = ob.as_chunks_mut::<QK>();
+        for (s, o) in spans.iter_mut().enumerate() {
+            let q = span(b, s);
+            let lo = _mm256_castsi256_si128(q);
+            let hi = _mm256_extracti128_si256::<1>(q);
+            let parts = [
+                lo,
+                _mm_unpackhi_epi64(lo, lo),
+                hi,
+                _mm_unpackhi_epi64(hi, hi),
+            ];
+            for (k, part) in parts.into_iter().enumerate() {
+                let grp = 2 * s + k / 2;
+                // Multiply, then subtract: the same two roundings as the dequantiser.
+                let w = _mm256_sub_ps(
+                    _mm256_mul_ps(i8x8_ps(part), _mm256_set1_ps(g.scale[grp])),
+                    _mm256_set1_ps(g.min[grp]),
+                );
+                let v = _mm256_fmadd_ps(w, av, ld_ps(o, 8 * k));
+                st_ps(o, 8 * k, v);
+            }
+        }
+    }
+}
+
+macro_rules! kernels {
+    ($($dtype:ident, $bytes:literal, $span:ident: $dot:ident, $q8:ident, $axpy:ident;)*) => {$(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $dot(row: &[u8], x: &[f32]) -> f32 {
+            dot::<$bytes>(DType::$dtype, row, x, |b, s| $span(b, s))
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+            dot_q8::<$bytes>(DType::$dtype, row, acts, |b, s| $span(b, s))
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $axpy(row: &[u8], a: f32, out: &mut [f32]) {
+            axpy::<$bytes>(DType::$dtype, row, a, out, |b, s| $span(b, s))
+        }
+    )*};
+}
+
+kernels! {
+    Q2K, 84, span_q2_k: dot_q2_k, q2_k_q8, axpy_q2_k;
+    Q3K, 110, span_q3_k: dot_q3_k, q3_k_q8, axpy_q3_k;
+    Q4K, 144, span_q4_k: dot_q4_k, q4_k_q8, axpy_q4_k;
+    Q5K, 176, span_q5_k: dot_q5_k, q5_k_q8, axpy_q5_k;
+    Q6K, 210, span_q6_k: dot_q6_k, q6_k_q8, axpy_q6_k;
+}
