@@ -2,17 +2,17 @@
 //! dense f32 helpers of the forward pass.
 //!
 //! # Dispatch
-//! Every quantised kernel exists twice: a portable scalar version (`scalar`, the fallback on every
-//! machine) and an x86_64 AVX2 version (`avx2`, used when the CPU has AVX2, FMA and F16C). The
-//! choice is made once, on first use, and cached as a table of function pointers ([`Kernels`]).
-//! Nothing is compiled with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
+//! Every quantised kernel exists in a portable scalar version (`scalar`, the fallback on every
+//! machine) and in SIMD versions: x86_64 AVX2 (`avx2`, used when the CPU has AVX2, FMA and F16C)
+//! and aarch64 NEON (`neon`: the `neon` table, and `neon+dotprod` where the CPU has the Armv8.2
+//! dot-product instructions, which only changes the integer kernels). The choice is made once,
+//! on first use, and cached as a table of function pointers ([`Kernels`]). Nothing is compiled
+//! with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
 //!
-//! Both tables cover every [`DType`]. The k-quant super-blocks go through their one decoded form
-//! (per 16 values a float scale and min, per value an i8 quant: `scalar_kquant`,
-//! `avx2/kquant.rs`).
-//!
-//! aarch64 runs the scalar kernels for now (TODO: NEON versions of the same table; this
-//! workspace's build machine has no aarch64 toolchain to compile or test them).
+//! Every table covers every [`DType`]. The k-quant super-blocks go through their one decoded
+//! form (per 16 values a float scale and min, per value an i8 quant: `scalar_kquant`,
+//! `avx2/kquant.rs`, `neon/kquant.rs`). The NEON kernels are tested under QEMU
+//! (`scripts/test-aarch64`); their speed on real hardware is not measured yet.
 //!
 //! # Precision
 //! [`Precision::Exact`] multiplies f32 activations with dequantised weights (within ~1e-3 of an f32
@@ -30,6 +30,8 @@ mod attend;
 mod avx2;
 mod dense;
 mod matvec;
+#[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+mod neon;
 mod partial;
 mod scalar;
 mod scalar_kquant;
@@ -232,8 +234,24 @@ impl Kernels {
             if let Some(k) = avx2::detect() {
                 return k;
             }
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            if let Some(k) = neon::detect() {
+                return k;
+            }
             &scalar::KERNELS
         })
+    }
+
+    /// Every table this CPU supports, scalar first and [`Kernels::best`] last (what the kernel
+    /// tests run).
+    #[cfg(test)]
+    pub(crate) fn supported() -> Vec<&'static Kernels> {
+        let mut tables = vec![Kernels::scalar()];
+        #[cfg(target_arch = "x86_64")]
+        tables.extend(avx2::detect());
+        #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+        tables.extend(neon::supported());
+        tables
     }
 
     /// The portable scalar table (always available).
@@ -241,7 +259,7 @@ impl Kernels {
         &scalar::KERNELS
     }
 
-    /// Instruction set name, e.g. `"avx2+fma+f16c"` or `"scalar"`.
+    /// Instruction set name, e.g. `"avx2+fma+f16c"`, `"neon+dotprod"` or `"scalar"`.
     pub fn name(&self) -> &'static str {
         self.name
     }

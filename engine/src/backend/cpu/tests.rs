@@ -1,5 +1,6 @@
-//! Conformance of every kernel table present (scalar always, AVX2 where the CPU has it) against the
-//! scalar oracle `quant::dequantize_row` + an f64 dot product, by error normalised by `Σ|w·x|`.
+//! Conformance of every kernel table present (scalar always; AVX2, NEON and NEON with dotprod where
+//! the CPU has them) against the scalar oracle `quant::dequantize_row` + an f64 dot product, by
+//! error normalised by `Σ|w·x|`.
 
 use proptest::prelude::*;
 
@@ -16,13 +17,9 @@ fn width(dtype: DType, cols: usize) -> usize {
     cols.next_multiple_of(dtype.block_len())
 }
 
-/// The tables to test: scalar, and the best one when it differs.
+/// The tables to test: every one this CPU supports, scalar first.
 fn tables() -> Vec<&'static Kernels> {
-    let mut t = vec![Kernels::scalar()];
-    if !std::ptr::eq(Kernels::best(), Kernels::scalar()) {
-        t.push(Kernels::best());
-    }
-    t
+    Kernels::supported()
 }
 
 /// SplitMix64: small, seeded, good enough for test data.
@@ -411,12 +408,74 @@ fn free_functions_use_the_best_table() {
         assert_eq!(a, b, "{precision:?}");
     }
     assert_eq!(kernel_name(), Kernels::best().name());
+    // scripts/test-aarch64 names the table each emulated CPU must get.
+    if let Ok(want) = std::env::var("LEANSTREAM_EXPECT_KERNELS") {
+        assert_eq!(kernel_name(), want, "LEANSTREAM_EXPECT_KERNELS");
+    }
     #[cfg(target_arch = "x86_64")]
     {
         let simd = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
         assert_eq!(kernel_name() != "scalar", simd, "{}", kernel_name());
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        let want = if std::arch::is_aarch64_feature_detected!("dotprod") {
+            "neon+dotprod"
+        } else {
+            "neon"
+        };
+        assert_eq!(kernel_name(), want);
+    }
+}
+
+#[test]
+fn supported_tables_start_with_scalar_and_end_with_the_best() {
+    let t = tables();
+    assert!(std::ptr::eq(t[0], Kernels::scalar()));
+    assert!(std::ptr::eq(t[t.len() - 1], Kernels::best()));
+    let mut names: Vec<_> = t.iter().map(|k| k.name()).collect();
+    names.dedup();
+    assert_eq!(names.len(), t.len(), "a table listed twice: {names:?}");
+}
+
+/// The `sdot` integer kernels fill the same i32 lanes as the plain NEON ones and share the rest,
+/// so the two tables agree bit for bit (where the CPU has both).
+#[test]
+#[cfg(target_arch = "aarch64")]
+fn neon_tables_agree_bit_for_bit() {
+    let t = tables();
+    let (Some(plain), Some(sdot)) = (
+        t.iter().find(|k| k.name() == "neon"),
+        t.iter().find(|k| k.name() == "neon+dotprod"),
+    ) else {
+        eprintln!("skipped: this CPU has no dotprod");
+        return;
+    };
+    let mut rng = Rng(10);
+    let mut acts = QuantizedActs::new(1024);
+    for dtype in DTYPES.into_iter().filter(|d| !d.is_float()) {
+        for n in [256, 1024] {
+            // Raw random blocks reach every quant value, including -128 for q8_0.
+            let mut row: Vec<u8> = (0..dtype.row_bytes(n).expect("whole blocks"))
+                .map(|_| rng.next() as u8)
+                .collect();
+            for b in row.chunks_exact_mut(dtype.block_bytes()) {
+                for &at in dtype.f16_fields() {
+                    b[at..at + 2].copy_from_slice(&half::f16::from_f32(rng.unit()).to_le_bytes());
+                }
+            }
+            let mut x = rng.vec(n, 1.0);
+            x[0] = 4.0; // one block whose largest value quantises to exactly 127
+            acts.quantize_with(plain, &x);
+            let (a, b) = (
+                plain.dot_q8(dtype, &row, &acts),
+                sdot.dot_q8(dtype, &row, &acts),
+            );
+            assert_eq!(a.to_bits(), b.to_bits(), "{dtype} n={n}: {a} vs {b}");
+            assert!(a.is_finite() && a != 0.0, "{dtype} n={n}: {a}");
+        }
     }
 }
 
@@ -432,8 +491,16 @@ fn quantize_is_the_same_in_every_table_and_does_not_reallocate() {
             x[33..40].fill(0.0); // a partly zero block
         }
         a.quantize_with(Kernels::scalar(), &x);
-        b.quantize_with(Kernels::best(), &x);
-        assert_eq!(a.blocks(), b.blocks(), "n={n}");
+        for k in tables() {
+            b.quantize_with(k, &x);
+            let bits = |q: &QuantizedActs| {
+                let b = q.blocks();
+                b.iter()
+                    .map(|b| (b.d.to_bits(), b.s.to_bits(), b.q))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&a), bits(&b), "{} n={n}", k.name());
+        }
         assert_eq!(a.len(), n);
         assert_eq!(a.values(), &x[..]);
         for (blk, xb) in a.blocks().iter().zip(x.chunks(QK)) {
@@ -449,6 +516,32 @@ fn quantize_is_the_same_in_every_table_and_does_not_reallocate() {
         (a.x.as_ptr(), a.blocks.as_ptr()),
         "scratch reallocated"
     );
+}
+
+#[test]
+fn quantize_rounds_ties_to_even_in_every_table() {
+    // amax = 127 makes d = 1 exactly, so every x.5 below is a tie.
+    let mut x = [0f32; 2 * QK];
+    let ties = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5];
+    x[..ties.len()].copy_from_slice(&ties);
+    x[QK..QK + ties.len()].copy_from_slice(&ties.map(|v| -v));
+    let mut want = [0i8; QK];
+    want[..ties.len()].copy_from_slice(&[127, 0, 2, 2, 0, -2, -2, 126, -126, 4]);
+    let sum: i32 = want.iter().map(|&q| i32::from(q)).sum();
+    let mut acts = QuantizedActs::new(x.len());
+    for k in tables() {
+        acts.quantize_with(k, &x);
+        let [b0, b1] = acts.blocks() else {
+            panic!("two blocks")
+        };
+        assert_eq!((b0.d, b0.s, b0.q), (1.0, sum as f32, want), "{}", k.name());
+        assert_eq!(
+            (b1.d, b1.s, b1.q),
+            (1.0, -sum as f32, want.map(|q| -q)),
+            "{}",
+            k.name()
+        );
+    }
 }
 
 #[test]
