@@ -1,6 +1,6 @@
 //! aarch64 kernels on NEON (Advanced SIMD), with an `sdot` variant of the integer kernels for
-//! CPUs that have the dot-product extension (Armv8.2 `dotprod`: Cortex-A55/A76/A78, the Orin's
-//! A78AE, Carmel; not the Cortex-A57 of the first Jetson Nano).
+//! CPUs that have the dot-product extension (Armv8.2 `dotprod`: Cortex-A55, A76, A78 and the
+//! Orin's A78AE; not the Cortex-A57 of the first Jetson Nano).
 //!
 //! Two tables: [`NEON`] and [`NEON_DOTPROD`]. They share every float kernel, every exact dot
 //! product, every axpy and the activation quantiser; they differ only in how the integer
