@@ -1,8 +1,12 @@
 //! Mat-vec throughput of the CPU kernels, in GB/s of weights streamed (criterion's "thrpt").
 //!
-//! Shapes are SmolLM2-135M's: 576×576 (attention), 1536×576 (FFN gate/up), 49152×576 (output
-//! head). Each runs with the scalar table and the best one for this CPU, in both precisions.
-//! Run: `cargo bench -p leanstream-engine --bench kernels` (add `-- --quick` for a short pass).
+//! Every stored type, with the scalar table and the best one for this CPU, in both precisions, on
+//! two shapes 1536 values wide (SmolLM2-135M's FFN width, a whole number of k-quant
+//! super-blocks): 576 rows (its down projection: the weights stay in cache, so this is the
+//! kernels' compute speed) and 32768 rows (an output head: tens of MB read from memory, so this
+//! is the speed against the bandwidth bound; compare with `target/release/examples/membw`).
+//! Run: `cargo bench -p leanstream-engine --bench kernels` (add `-- --quick` for a short pass, or
+//! a filter such as `-- q4_k` for one type).
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -33,12 +37,12 @@ fn matrix(dtype: DType, rows: usize, cols: usize) -> QRows {
 }
 
 fn matvec(c: &mut Criterion) {
-    let cols = 576;
+    let cols = 1536;
     let x = values(cols, 3);
     let mut scratch = QuantizedActs::new(cols);
     let tables = [Kernels::scalar(), Kernels::best()];
-    for dtype in [DType::Q4_1, DType::Q8_0] {
-        for rows in [576, 1536, 49152] {
+    for dtype in DType::ALL {
+        for rows in [576, 32768] {
             let m = matrix(dtype, rows, cols);
             let mut out = vec![0f32; rows];
             let mut group = c.benchmark_group(format!("matvec/{dtype}/{rows}x{cols}"));

@@ -159,6 +159,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             "ids": generation.ids,
             "text": model.tokenizer.decode(&generation.ids)?,
             "stop_reason": format!("{:?}", generation.stop).to_lowercase(),
+            "quantization": leanstream_engine::model::summarize(&args.model)
+                .map(|s| s.quantization)
+                .ok(),
             "stats": {
                 "prefill_tokens_per_s": stats.prefill_tokens_per_s(),
                 "decode_tokens_per_s": stats.decode_tokens_per_s(),

@@ -40,8 +40,8 @@ pub struct KvSpan<'a> {
 /// in order: `scores[p]` becomes the softmax of `q·k_p / sqrt(head_dim)` and `out` the scores'
 /// weighted sum of values. Key and value `p` of this head are values `kv_off..kv_off + q.len()` of
 /// row `p` (rows of `kv_stride` values). Positions the spans hold beyond `scores.len()` are
-/// ignored. Positions before `first` are masked out (a sliding window; 0 sees them all): their
-/// scores become 0.
+/// ignored. Positions before `first` are outside the window (a sliding-window layer; 0 sees them
+/// all): they are not read, and their scores become 0.
 ///
 /// Panics if the spans hold fewer positions than `scores`, `first` leaves no position,
 /// `out` and `q` differ in length, or q8_0 rows are not whole blocks.
@@ -66,10 +66,13 @@ pub fn attend_spans<'a>(
         hd,
     };
     let scale = 1.0 / (hd as f32).sqrt();
+    // Span positions `at..at + n`; the `skip` of them before the window are not read.
     let mut at = 0;
     for span in spans.clone() {
         let n = span.positions.min(scores.len() - at);
-        head.scores(span.keys, q, scale, &mut scores[at..at + n]);
+        let skip = first.saturating_sub(at).min(n);
+        let keys = head.skip_rows(span.keys, skip);
+        head.scores(keys, q, scale, &mut scores[at + skip..at + n]);
         at += n;
     }
     assert_eq!(
@@ -77,13 +80,15 @@ pub fn attend_spans<'a>(
         scores.len(),
         "the KV spans hold fewer positions than scores"
     );
-    scores[..first].fill(f32::NEG_INFINITY);
-    softmax_inplace(scores);
+    scores[..first].fill(0.0);
+    softmax_inplace(&mut scores[first..]);
     out.fill(0.0);
     let mut at = 0;
     for span in spans {
         let n = span.positions.min(scores.len() - at);
-        head.accumulate(span.values, &scores[at..at + n], out);
+        let skip = first.saturating_sub(at).min(n);
+        let values = head.skip_rows(span.values, skip);
+        head.accumulate(values, &scores[at + skip..at + n], out);
         at += n;
     }
 }
@@ -144,6 +149,15 @@ impl Head<'_> {
             start..start + self.hd / QK * Q8_0_BLOCK_BYTES
         });
         (row, range)
+    }
+
+    /// `rows` without its first `n` rows.
+    fn skip_rows<'r>(&self, rows: KvRows<'r>, n: usize) -> KvRows<'r> {
+        match rows {
+            KvRows::F32(r) => KvRows::F32(&r[n * self.stride..]),
+            KvRows::F16(r) => KvRows::F16(&r[2 * n * self.stride..]),
+            KvRows::Q8_0(r) => KvRows::Q8_0(&r[n * self.q8_0_layout().0..]),
+        }
     }
 
     /// `out[p] = q · key p * scale` for the first `out.len()` rows of `keys`.
@@ -314,6 +328,45 @@ mod tests {
         attend_spans(k, &q, spans.into_iter(), stride, hd, 0, &mut s2, &mut got);
         assert_eq!(want, got);
         assert_eq!(s1, s2);
+    }
+
+    #[test]
+    fn a_window_over_coded_spans_reads_only_the_rows_it_sees() {
+        // Windows starting in the first span, at the split, and in the second span.
+        let (stride, hd, n_pos, split) = (64, 32, 50, 17);
+        let (keys, vals) = (values(n_pos * stride, 7), values(n_pos * stride, 8));
+        let q = values(hd, 9);
+        let k = Kernels::best();
+        for dtype in [DType::F16, DType::Q8_0] {
+            let (kb, _) = encode(dtype, &keys, stride);
+            let (vb, _) = encode(dtype, &vals, stride);
+            let row = kb.len() / n_pos;
+            let span = |from: usize, to: usize| KvSpan {
+                keys: rows(dtype, &kb[from * row..to * row]),
+                values: rows(dtype, &vb[from * row..to * row]),
+                positions: to - from,
+            };
+            for first in [3, split, 30] {
+                let (mut scores, mut got) = (vec![0f32; n_pos], vec![0f32; hd]);
+                let spans = [span(0, split), span(split, n_pos)];
+                attend_spans(
+                    k,
+                    &q,
+                    spans.into_iter(),
+                    stride,
+                    0,
+                    first,
+                    &mut scores,
+                    &mut got,
+                );
+                let (mut tail, mut want) = (vec![0f32; n_pos - first], vec![0f32; hd]);
+                let once = std::iter::once(span(first, n_pos));
+                attend_spans(k, &q, once, stride, 0, 0, &mut tail, &mut want);
+                assert_eq!(got, want, "{dtype} first {first}");
+                assert!(scores[..first].iter().all(|&s| s == 0.0));
+                assert_eq!(scores[first..], tail[..], "{dtype} first {first}");
+            }
+        }
     }
 
     #[test]
