@@ -1,6 +1,7 @@
 //! Support shared by the test suites of every crate in the workspace.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use crate::model::gguf::writer::{TinyArch, TinyLlama};
 use crate::model::{load_imported, lsm};
@@ -43,18 +44,64 @@ pub fn gemma_model() -> PathBuf {
     path
 }
 
-/// Converts the real model ([`real_model`]) into `dir/smollm2.lsm`, default chunking, down
-/// columns in `down_dtype`. F16 columns compute what the GGUF computes to f16 rounding, so the
-/// tests that hold a `.lsm` to the GGUF's fixtures use them; the default q8_0 changes the story
-/// prompt's 13th greedy token and costs about 1 % held-out perplexity on 256 tokens.
-pub fn real_lsm_in(dir: &Path, down_dtype: DType) -> crate::Result<PathBuf> {
-    let out = dir.join("smollm2.lsm");
+/// The real model ([`real_model`]) converted to `.lsm` with default chunking and down columns
+/// in `down_dtype`, once per process and down type. F16 columns compute what the GGUF computes
+/// to f16 rounding, so the tests that hold a `.lsm` to the GGUF's fixtures use them; the default
+/// q8_0 changes the story prompt's 13th greedy token and costs about 1 % held-out perplexity on
+/// 256 tokens.
+///
+/// The file is `smollm2-<type>.lsm` in the `test-models` folder of the target directory the
+/// running test binary sits in (`<target>/<profile>/deps/<binary>`), written under a temporary
+/// name and renamed into place: every run converts anew (no stale file after a format change),
+/// concurrent binaries never see half a file, and a run leaves one file per type behind, not a
+/// 140 MB temporary directory per test binary in `/tmp` (a static is never dropped, so a
+/// `TempDir` held by one would never be removed). Panics with the reason when conversion fails.
+pub fn real_lsm(down_dtype: DType) -> PathBuf {
+    static CONVERTED: Mutex<Vec<(DType, PathBuf)>> = Mutex::new(Vec::new());
+    let mut converted = CONVERTED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, path)) = converted.iter().find(|(t, _)| *t == down_dtype) {
+        return path.clone();
+    }
+    let dir = test_models_dir();
+    let out = dir.join(format!("smollm2-{down_dtype}.lsm"));
+    let partial = dir.join(format!(
+        "smollm2-{down_dtype}.lsm.{}.partial",
+        std::process::id()
+    ));
     let opts = lsm::ConvertOptions {
         down_dtype,
         ..Default::default()
     };
-    lsm::convert(&load_imported(&real_model())?, &out, &opts, &mut |_, _| {})?;
-    Ok(out)
+    let written = load_imported(&real_model())
+        .and_then(|model| lsm::convert(&model, &partial, &opts, &mut |_, _| {}))
+        .and_then(|_report| {
+            std::fs::rename(&partial, &out).map_err(|source| crate::Error::Io {
+                path: out.clone(),
+                source,
+            })
+        });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&partial);
+        panic!("converting the real model to {}: {e}", out.display());
+    }
+    converted.push((down_dtype, out.clone()));
+    out
+}
+
+/// `<target>/test-models` for a binary at `<target>/<profile>/deps/<binary>` (made if missing);
+/// the system's temporary directory for a binary elsewhere.
+fn test_models_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe
+        .ancestors()
+        .nth(3)
+        .filter(|_| exe.parent().is_some_and(|d| d.ends_with("deps")))
+        .map(|target| target.join("test-models"))
+        .unwrap_or_else(|| std::env::temp_dir().join("leanstream-test-models"));
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        panic!("creating {}: {e}", dir.display());
+    }
+    dir
 }
 
 /// Writes the tiny Llama of `seed` as a Q4_1 GGUF at `gguf`, then converts it with 16-neuron

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes engine/tests/fixtures/quant-blocks.json: random GGML blocks of every block type the
 engine reads, with their values as the `gguf` Python package's dequantiser (an implementation
-independent of the engine) decodes them. engine/tests/quant_blocks.rs holds the engine's
+independent of the engine) decodes them. engine/tests/integration/quant_blocks.rs holds the engine's
 decoders to these values.
 
     python3 -m venv .venv && .venv/bin/pip install numpy gguf

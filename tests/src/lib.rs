@@ -2,11 +2,12 @@
 //! dir), the real `leanstreamd` binary with a temp config, the real model, and clients through
 //! the proxies of `leanstream::contract`.
 //!
-//! The daemon binary: `$LEANSTREAMD_BIN` if set, else this harness builds it once per test
-//! binary with `cargo build --profile test -p leanstreamd` (the test profile is optimised; an
-//! unoptimised forward pass would take minutes) and takes it from the target directory next to
-//! the running test executable. `CARGO_BIN_EXE_*` only exists for binaries of the same package,
-//! and the daemon is a binary-only package, so the path is built from the target directory.
+//! The daemon binary: the end-to-end tests (`daemon/tests/e2e`, integration tests of the daemon
+//! package) pass the one cargo built for them ([`Daemon::start_binary`]). Elsewhere (the
+//! `concurrency` example), [`Daemon::start`] takes `$LEANSTREAMD_BIN` if set, else builds it once
+//! per process with `cargo build --profile test --workspace --bins` (the test profile is
+//! optimised; an unoptimised forward pass would take minutes) and takes it from the target
+//! directory next to the running executable.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::fd::OwnedFd;
@@ -44,25 +45,11 @@ pub fn real_model() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
-/// The real model converted to `.lsm` once per test binary with f16 down columns: with sparsity
-/// off the streamed FFN then computes the GGUF's own greedy ids, which the tests compare against
-/// ([`leanstream_engine::testing::real_lsm_in`]).
+/// The real model converted to `.lsm` with f16 down columns: with sparsity off the streamed FFN
+/// then computes the GGUF's own greedy ids, which the tests compare against
+/// ([`leanstream_engine::testing::real_lsm`]).
 pub fn real_lsm() -> PathBuf {
-    static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    LSM.get_or_init(|| {
-        let convert = || -> Result<(tempfile::TempDir, PathBuf)> {
-            let dir = tempfile::tempdir()?;
-            let out = leanstream_engine::testing::real_lsm_in(
-                dir.path(),
-                leanstream_engine::quant::DType::F16,
-            )?;
-            Ok((dir, out))
-        };
-        #[allow(clippy::expect_used)]
-        convert().expect("converting the real model to .lsm")
-    })
-    .1
-    .clone()
+    leanstream_engine::testing::real_lsm(leanstream_engine::quant::DType::F16)
 }
 
 /// The `leanstreamd` binary (see the module docs).
@@ -74,7 +61,7 @@ pub fn daemon_binary() -> PathBuf {
         }
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let status = Command::new(cargo)
-            .args(["build", "--profile", "test", "-p", "leanstreamd"])
+            .args(["build", "--profile", "test", "--workspace", "--bins"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status();
         assert!(
@@ -201,7 +188,15 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// Starts [`daemon_binary`] on `bus` with `cfg`, once it serves the contract.
     pub async fn start(bus: &Bus, cfg: &DaemonConfig) -> Result<Daemon> {
+        Self::start_binary(&daemon_binary(), bus, cfg).await
+    }
+
+    /// Starts the `leanstreamd` at `binary` on `bus` with `cfg`, once it serves the contract.
+    /// The daemon's own integration tests pass `CARGO_BIN_EXE_leanstreamd`: cargo builds that
+    /// binary with the tests, from the same dependency builds.
+    pub async fn start_binary(binary: &Path, bus: &Bus, cfg: &DaemonConfig) -> Result<Daemon> {
         let dir = tempfile::tempdir()?;
         let models = dir.path().join("models");
         std::fs::create_dir(&models)?;
@@ -234,7 +229,7 @@ impl Daemon {
                 cfg.extra
             ),
         )?;
-        let child = Command::new(daemon_binary())
+        let child = Command::new(binary)
             .arg("--bus")
             .arg(&bus.address)
             .arg("--config")

@@ -2,37 +2,23 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
 /// The real test model. CI fetches it with `scripts/fetch-model`; a missing file fails loudly.
 pub fn real_gguf() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
 
-/// The real model converted to `.lsm` once per test binary with f16 down columns, so that the
-/// tests can hold it to the GGUF's fixtures ([`leanstream_engine::testing::real_lsm_in`]).
+/// The real model converted to `.lsm` with f16 down columns, so that the tests can hold it to
+/// the GGUF's fixtures ([`leanstream_engine::testing::real_lsm`]).
 pub fn real_lsm() -> PathBuf {
-    static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    LSM.get_or_init(|| convert_real(leanstream_engine::quant::DType::F16))
-        .1
-        .clone()
+    leanstream_engine::testing::real_lsm(leanstream_engine::quant::DType::F16)
 }
 
-/// The real model converted to `.lsm` with every default (q8_0 down columns), once per binary.
+/// The real model converted to `.lsm` with every default (q8_0 down columns).
 pub fn real_lsm_default() -> PathBuf {
-    static LSM: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    LSM.get_or_init(|| {
-        convert_real(leanstream_engine::model::lsm::ConvertOptions::default().down_dtype)
-    })
-    .1
-    .clone()
-}
-
-fn convert_real(down_dtype: leanstream_engine::quant::DType) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let out = leanstream_engine::testing::real_lsm_in(dir.path(), down_dtype)
-        .expect("convert the real model to .lsm");
-    (dir, out)
+    leanstream_engine::testing::real_lsm(
+        leanstream_engine::model::lsm::ConvertOptions::default().down_dtype,
+    )
 }
 
 /// One case of the independent reference (a numpy f32 implementation; values inlined below).

@@ -43,7 +43,7 @@ struct Heldout {
 fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        let text = include_str!("fixtures/gemma3-270m.json");
+        let text = include_str!("../fixtures/gemma3-270m.json");
         serde_json::from_str(text).expect("the Gemma fixture parses")
     })
 }

@@ -34,7 +34,7 @@ fn soak_secs() -> u64 {
 fn three_clients_looping_keep_memory_bounded_and_rss_flat() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let observer = Client::new(&bus).await?;
         // Loaded explicitly, the model stays loaded between sessions: the idle value is the model.
         observer.manager.load_model(MODEL).await?;

@@ -1,11 +1,9 @@
 //! The KV cache types and block growth, against the f32 cache and the reference forward pass:
 //! seeded tiny models for exactness, the real SmolLM2 for the quality of f16 and q8_0.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{heldout_text, real_gguf};
+use crate::common::{heldout_text, real_gguf};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::{generate, score};

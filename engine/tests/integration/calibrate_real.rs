@@ -2,9 +2,7 @@
 //! predictors beat chance, a file without calibration names the fix, and the reordered file
 //! generates the same greedy tokens as the original with the dense path.
 
-mod common;
-
-use common::real_lsm;
+use crate::common::real_lsm;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::calibrate::{self, CALIBRATION_TEXT, CalibrateOptions, HELDOUT_TEXT};
 use leanstream_engine::forward::{Model, Session};

@@ -19,7 +19,7 @@ struct Loaded {
 
 async fn load(cfg: &DaemonConfig) -> anyhow::Result<Loaded> {
     let bus = Bus::start()?;
-    let daemon = Daemon::start(&bus, cfg).await?;
+    let daemon = crate::start_daemon(&bus, cfg).await?;
     let client = Client::new(&bus).await?;
     client.manager.load_model(MODEL).await?;
     let report = client.manager.memory().await?;
@@ -101,7 +101,7 @@ fn a_neuron_cache_gets_what_the_budget_leaves_and_a_model_that_does_not_fit_is_o
 
         // 40 MiB cannot hold the resident part: the load is refused and changes nothing.
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &streaming("40MiB", 0.25)).await?;
+        let _daemon = crate::start_daemon(&bus, &streaming("40MiB", 0.25)).await?;
         let client = Client::new(&bus).await?;
         let err = client.manager.load_model(MODEL).await.map(|_| ());
         assert_eq!(error_name(err), "OverBudget");

@@ -20,7 +20,7 @@ struct Case {
 }
 
 fn cases() -> Vec<(DType, Vec<u8>, Vec<f32>)> {
-    let f: Fixture = serde_json::from_str(include_str!("fixtures/quant-blocks.json"))
+    let f: Fixture = serde_json::from_str(include_str!("../fixtures/quant-blocks.json"))
         .expect("the fixture parses");
     f.cases
         .into_iter()

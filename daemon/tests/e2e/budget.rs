@@ -59,7 +59,7 @@ fn clients_that_open_and_vanish_leave_no_session_behind() -> anyhow::Result<()> 
             max_sessions: 16,
             ..DaemonConfig::default()
         };
-        let daemon = Daemon::start(&bus, &cfg).await?;
+        let daemon = crate::start_daemon(&bus, &cfg).await?;
         let normal = Client::new(&bus).await?;
         normal.manager.load_model(MODEL).await?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -121,7 +121,7 @@ fn one_client_cannot_hoard_sessions_or_models() -> anyhow::Result<()> {
             extra: "max_sessions_per_client = 3\nmax_pins_per_client = 2\n".into(),
             ..DaemonConfig::default()
         };
-        let daemon = Daemon::start(&bus, &cfg).await?;
+        let daemon = crate::start_daemon(&bus, &cfg).await?;
         add_model(&daemon, "second")?;
         add_model(&daemon, "third")?;
         let hoarder = Client::new(&bus).await?;
@@ -176,7 +176,7 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
                 .into(),
             ..DaemonConfig::default()
         };
-        let daemon = Daemon::start(&bus, &cfg).await?;
+        let daemon = crate::start_daemon(&bus, &cfg).await?;
         let lsm = real_lsm();
         let target = daemon.dir.path().join("models").join("stream.lsm");
         if std::fs::hard_link(&lsm, &target).is_err() {

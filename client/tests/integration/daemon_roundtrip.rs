@@ -2,15 +2,13 @@
 //! `leanstreamd` on a private `dbus-daemon` (see `support`): real bus, real fd passing, canned
 //! generations. Skips (saying so) where `dbus-daemon` is not installed.
 
-mod support;
-
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
+use crate::support::{MockDaemon, TestBus};
 use leanstream::contract::{ChatTurn, GenerateParams, LeanStreamError, StreamEvent};
 use leanstream::{Bus, Client, Error};
 use serde_json::Value;
-use support::{MockDaemon, TestBus};
 
 fn bus(address: &str) -> Bus {
     address.parse().expect("dbus-daemon prints a valid address")

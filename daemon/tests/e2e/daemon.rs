@@ -18,7 +18,7 @@ fn done_reason(s: &Stream) -> &str {
 fn greedy_generation_matches_the_engine_fixture() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let client = Client::new(&bus).await?;
         assert_eq!(client.manager.backend().await?, "cpu");
         let models = client.manager.list_models().await?;
@@ -52,7 +52,7 @@ fn eight_clients_at_once_get_their_single_client_outputs() -> anyhow::Result<()>
             budget: "200MiB".into(),
             ..DaemonConfig::default()
         };
-        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let _daemon = crate::start_daemon(&bus, &cfg).await?;
         let prompts: Vec<String> = (0..8)
             .map(|i| format!("Story number {i}: once upon a time, a robot named R{i}"))
             .collect();
@@ -96,7 +96,7 @@ fn eight_clients_at_once_get_their_single_client_outputs() -> anyhow::Result<()>
 fn a_vanished_client_loses_its_sessions_and_memory_at_once() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let observer = Client::new(&bus).await?;
         let other = Client::new(&bus).await?;
         let other_task = tokio::spawn(async move {
@@ -148,7 +148,7 @@ fn a_vanished_client_loses_its_sessions_and_memory_at_once() -> anyhow::Result<(
 fn another_connection_cannot_use_a_session() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let owner = Client::new(&bus).await?;
         let intruder = Client::new(&bus).await?;
         let path = owner.manager.open_session(MODEL, 64).await?;
@@ -176,7 +176,7 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<
             max_sessions: 2,
             ..DaemonConfig::default()
         };
-        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let _daemon = crate::start_daemon(&bus, &cfg).await?;
         let c = Client::new(&bus).await?;
         let m = &c.manager;
         let still_works = || async {
@@ -260,7 +260,7 @@ fn a_conversation_that_outgrows_the_budget_ends_over_budget_and_the_session_stay
         // What the model, a new session and one KV block hold, as the daemon reports them.
         let (resident, open, block) = {
             let bus = Bus::start()?;
-            let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+            let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
             let c = Client::new(&bus).await?;
             let s = c.open(256).await?;
             let r = c.manager.memory().await?;
@@ -278,7 +278,7 @@ fn a_conversation_that_outgrows_the_budget_ends_over_budget_and_the_session_stay
             max_tokens: 128,
             ..DaemonConfig::default()
         };
-        let _daemon = Daemon::start(&bus, &cfg).await?;
+        let _daemon = crate::start_daemon(&bus, &cfg).await?;
         let c = Client::new(&bus).await?;
         // The context is a limit, not a reservation: a 256-token session opens.
         let s = c.open(256).await?;
@@ -318,7 +318,7 @@ fn a_conversation_that_outgrows_the_budget_ends_over_budget_and_the_session_stay
 fn sigterm_cancels_generations_and_exits_zero() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let mut daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let mut daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let c = Client::new(&bus).await?;
         let s = c.open(256).await?;
         let fd = s.generate(STORY_PROMPT, &greedy(64)).await?;
@@ -345,7 +345,7 @@ fn a_prompt_that_is_not_utf8_is_refused_and_the_daemon_keeps_serving() -> anyhow
     use std::os::unix::fs::MetadataExt;
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let c = Client::new(&bus).await?;
         let path = c.manager.open_session(MODEL, 64).await?;
 

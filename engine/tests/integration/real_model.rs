@@ -1,11 +1,11 @@
 //! The engine on the real SmolLM2-135M file, from the GGUF and from its `.lsm`, against the
 //! independent reference fixture and against our own reference forward pass.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{FIXTURE, heldout_text, real_gguf, real_lsm, top_n};
+use crate::common::{FIXTURE, heldout_text, real_gguf, real_lsm, top_n};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::{generate, score};

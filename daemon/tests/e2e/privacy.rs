@@ -56,7 +56,7 @@ fn leaks(log: &Log, secrets: &[String]) -> Vec<String> {
 fn a_bus_monitor_and_an_eavesdropper_never_see_generated_text() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
 
         // The monitor: the stream exists before the call, so nothing after the reply is missed.
         let monitor = bus.connect().await?;
