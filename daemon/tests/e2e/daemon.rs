@@ -129,8 +129,10 @@ fn a_vanished_client_loses_its_sessions_and_memory_at_once() -> anyhow::Result<(
             {
                 break;
             }
+            // Generous: the other end-to-end tests load the same two cores meanwhile; a leak
+            // is never released at all.
             assert!(
-                gone.elapsed() < Duration::from_secs(1),
+                gone.elapsed() < Duration::from_secs(10),
                 "not released: {r:?}"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
