@@ -10,8 +10,10 @@
 //! ahead of the compute ([`crate::stream::WeightStream`]). Resident layers are spread evenly
 //! between streamed ones so that reads overlap compute all through the token. The output head
 //! is kept before any layer (it is needed last, so streaming it leaves nothing to overlap with at
-//! the end of a token); the embedding rows of a model whose embeddings are not resident are read
-//! one row per token.
+//! the end of a token), row by row: when the whole head does not fit, its first rows fill the
+//! room and only the rest streams, so no byte of the budget is left unused (a model whose tied
+//! head is most of the file, like Gemma 3's, would otherwise stream all of it); the embedding
+//! rows of a model whose embeddings are not resident are read one row per token.
 //!
 //! # The floor
 //! Besides weights the process holds its runtime (code, libc, thread stacks, allocator slack:
@@ -110,7 +112,11 @@ pub struct Plan {
     /// The process budget the plan was made for.
     pub budget: u64,
     pub floor: Floor,
+    /// `Resident` when the whole output head is; `Streamed` when some of its rows stream.
     pub head: Placement,
+    /// Rows `0..head_resident_rows` of the output head are kept (all of them when `head` is
+    /// `Resident`); the others stream in pieces after the layers.
+    pub head_resident_rows: usize,
     /// Token embeddings (the head's bytes when tied: then always placed with it).
     pub embeddings: Placement,
     pub layers: Vec<Placement>,
@@ -228,6 +234,7 @@ impl Plan {
             budget,
             floor,
             head: Placement::Resident,
+            head_resident_rows: w.output.rows,
             embeddings: Placement::Resident,
             layers: vec![Placement::Resident; c.n_layers],
             units: Vec::new(),
@@ -286,7 +293,11 @@ impl Plan {
                 self.embeddings = Placement::Resident;
             }
         } else {
+            // The head's first rows fill the room; layers only get what a row cannot use.
+            let row_bytes = w.output.row_bytes() as u64;
             self.head = Placement::Streamed;
+            self.head_resident_rows = (room / row_bytes) as usize;
+            room -= self.head_resident_rows as u64 * row_bytes;
         }
         // As many layers as fit, spread evenly; the rest stream. Counted at the largest layer's
         // size, so that whichever layers the spread picks fit (a model's layers have one shape).
@@ -312,7 +323,7 @@ impl Plan {
             let row_bytes = w.output.row_bytes() as u64;
             let rows_per_piece = (slot / row_bytes).max(1) as usize;
             let start = range_of(&w.output).start;
-            let mut r0 = 0;
+            let mut r0 = self.head_resident_rows;
             while r0 < w.output.rows {
                 let r1 = (r0 + rows_per_piece).min(w.output.rows);
                 let bytes = start + r0 as u64 * row_bytes..start + r1 as u64 * row_bytes;
@@ -333,8 +344,14 @@ impl Plan {
 
     fn resident_ranges_of(&self, w: &Weights, layer_reads: &[Vec<Range<u64>>]) -> Vec<Range<u64>> {
         let mut out = Vec::new();
-        if self.head == Placement::Resident {
-            out.push(range_of(&w.output));
+        let head = range_of(&w.output);
+        match self.head {
+            Placement::Resident => out.push(head),
+            Placement::Streamed if self.head_resident_rows > 0 => {
+                let kept = self.head_resident_rows as u64 * w.output.row_bytes() as u64;
+                out.push(head.start..head.start + kept);
+            }
+            Placement::Streamed => {}
         }
         if self.embeddings == Placement::Resident {
             out.push(range_of(&w.token_embd));
@@ -402,7 +419,11 @@ impl Plan {
         );
         let _ = writeln!(s, "  resident weights{:>10}", mib(self.resident_bytes));
         let _ = writeln!(s, "  planned total   {:>10}", mib(self.planned_bytes()));
-        let _ = writeln!(s, "output head       {:?}", self.head);
+        let _ = write!(s, "output head       {:?}", self.head);
+        if self.head == Placement::Streamed && self.head_resident_rows > 0 {
+            let _ = write!(s, " ({} leading rows resident)", self.head_resident_rows);
+        }
+        let _ = writeln!(s);
         let _ = writeln!(s, "embeddings        {:?}", self.embeddings);
         let _ = writeln!(
             s,

@@ -184,6 +184,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "streamed_bytes_per_token": p.streamed_bytes_per_token(),
                 "streamed_layers": p.units.iter().filter(|u| matches!(u.kind, leanstream_engine::plan::UnitKind::Layer(_))).count(),
                 "head": format!("{:?}", p.head).to_lowercase(),
+                "head_resident_rows": p.head_resident_rows,
             })),
             "stream": model.stream_stats().map(|s| json!({
                 "bytes_read": s.bytes_read,

@@ -179,7 +179,8 @@ impl Model {
     }
 
     /// The output head in the pieces it is computed in, in row order: the whole matrix when
-    /// resident, else each streamed piece as it arrives (call `f` once per piece).
+    /// resident, else its resident leading rows (if any) and then each streamed piece as it
+    /// arrives (call `f` once per piece).
     pub(crate) fn for_each_head_piece(
         &self,
         f: &mut dyn FnMut(HeadPiece<'_>) -> Result<()>,
@@ -196,6 +197,22 @@ impl Model {
                 _lease: None,
             });
         };
+        let kept = p.plan.head_resident_rows;
+        if kept > 0 {
+            let m = out
+                .backing()
+                .slice(0, kept * out.row_bytes())
+                .and_then(|d| QRows::contiguous(out.dtype, kept, out.cols, d))
+                .ok_or_else(|| Error::InvalidArgument {
+                    arg: "plan",
+                    reason: format!("the head's {kept} resident rows are not in the image"),
+                })?;
+            f(HeadPiece {
+                rows: 0..kept,
+                m,
+                _lease: None,
+            })?;
+        }
         for &unit in &p.head_units {
             let lease = p.stream.acquire(unit)?;
             let u = &p.stream.units()[unit];

@@ -81,10 +81,23 @@ fn check_file(path: &Path) {
             .count()
     };
     let n_layers = full.weights.layers.len();
-    let shapes: [(&str, Shape<'_>); 3] = [
+    let head_rows = full.weights.output.rows;
+    let shapes: [(&str, Shape<'_>); 4] = [
         (
             "everything streams",
-            Box::new(|p| p.head == Placement::Streamed && streamed(p) == n_layers),
+            Box::new(|p| {
+                p.head == Placement::Streamed
+                    && p.head_resident_rows == 0
+                    && streamed(p) == n_layers
+            }),
+        ),
+        (
+            "the head's first rows resident, the rest and every layer streamed",
+            Box::new(|p| {
+                p.head == Placement::Streamed
+                    && (1..head_rows).contains(&p.head_resident_rows)
+                    && streamed(p) == n_layers
+            }),
         ),
         (
             "head and some layers resident",
