@@ -267,8 +267,18 @@ impl Plan {
             .max()
             .unwrap_or(0)
             .max(PAGE as u64);
-        self.slot_bytes = slot;
-        self.floor.ring = SLOTS as u64 * slot;
+        // Head pieces hold as many rows as a layer's slot; a piece's page-aligned read spans at
+        // most its rows rounded up to pages plus one page. The ring is sized for that before
+        // anything is placed, so that the room the head and the layers share is exact.
+        let row_bytes = w.output.row_bytes() as u64;
+        let rows_per_piece = (slot / row_bytes).max(1);
+        let head_streams = head_bytes > room.saturating_sub(SLOTS as u64 * slot);
+        self.slot_bytes = if head_streams {
+            slot.max(align_up(rows_per_piece * row_bytes, PAGE as u64) + PAGE as u64)
+        } else {
+            slot
+        };
+        self.floor.ring = SLOTS as u64 * self.slot_bytes;
         self.embeddings = Placement::Streamed;
         let need = self.floor.total();
         if self.budget < need {
@@ -277,26 +287,25 @@ impl Plan {
                 budget: self.budget,
                 what: format!(
                     "the smallest plan: runtime {} + tokenizer {} + tables {} + session {} + ring \
-                     of {SLOTS} × {} (largest layer)",
+                     of {SLOTS} × {} (largest layer or head piece)",
                     mib(self.floor.runtime),
                     mib(self.floor.tokenizer),
                     mib(self.floor.tables),
                     mib(self.floor.session),
-                    mib(slot)
+                    mib(self.slot_bytes)
                 ),
             });
         }
         let mut room = room.saturating_sub(self.floor.ring);
-        if head_bytes <= room {
+        if !head_streams {
             room -= head_bytes;
             if w.config.tied_embeddings {
                 self.embeddings = Placement::Resident;
             }
         } else {
             // The head's first rows fill the room; layers only get what a row cannot use.
-            let row_bytes = w.output.row_bytes() as u64;
             self.head = Placement::Streamed;
-            self.head_resident_rows = (room / row_bytes) as usize;
+            self.head_resident_rows = ((room / row_bytes) as usize).min(w.output.rows);
             room -= self.head_resident_rows as u64 * row_bytes;
         }
         // As many layers as fit, spread evenly; the rest stream. Counted at the largest layer's
@@ -320,8 +329,7 @@ impl Plan {
             }
         }
         if self.head == Placement::Streamed {
-            let row_bytes = w.output.row_bytes() as u64;
-            let rows_per_piece = (slot / row_bytes).max(1) as usize;
+            let rows_per_piece = rows_per_piece as usize;
             let start = range_of(&w.output).start;
             let mut r0 = self.head_resident_rows;
             while r0 < w.output.rows {
@@ -334,10 +342,10 @@ impl Plan {
                 });
                 r0 = r1;
             }
-            // A piece's page-aligned read may be a page or two longer than its rows.
-            let widest = self.units.iter().map(Unit::bytes).max().unwrap_or(0);
-            self.slot_bytes = self.slot_bytes.max(widest);
-            self.floor.ring = SLOTS as u64 * self.slot_bytes;
+            debug_assert!(
+                self.units.iter().all(|u| u.bytes() <= self.slot_bytes),
+                "a head piece's read is wider than the slot it was sized for"
+            );
         }
         Ok(())
     }

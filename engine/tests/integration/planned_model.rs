@@ -197,3 +197,38 @@ fn a_streamed_file_cut_short_fails_the_forward_pass_instead_of_computing() {
     }
     assert!(failed, "reads past the new end of the file must fail");
 }
+
+#[test]
+fn every_budget_from_the_floor_up_plans_within_itself_and_reads_less_as_it_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    let (gguf, _) = tiny(8, dir.path());
+    let full = Model::load(&gguf).unwrap();
+    let floor = Floor::of(&full, CONTEXT, KvType::default());
+    let dense = full.weights.dense_bytes_per_token() as u64;
+    let mut last_read = u64::MAX;
+    let mut shapes = std::collections::BTreeSet::new();
+    let mut b = floor.total();
+    while b < floor.total() + dense + (1 << 20) {
+        if let Ok(p) = Plan::new(&full.weights, b, floor) {
+            assert!(p.planned_bytes() <= b, "{b}: planned {}", p.planned_bytes());
+            assert!(
+                p.units.iter().all(|u| u.bytes() <= p.slot_bytes),
+                "{b}: a unit is wider than the ring's slots"
+            );
+            let read = p.streamed_bytes_per_token();
+            assert!(
+                read <= last_read,
+                "{b}: reads {read} > {last_read} at a smaller budget"
+            );
+            last_read = read;
+            shapes.insert((p.head == Placement::Resident, p.head_resident_rows > 0));
+        }
+        b += 4096;
+    }
+    assert_eq!(last_read, 0, "the largest budget keeps everything");
+    assert_eq!(
+        shapes.len(),
+        3,
+        "head streamed, partly resident and resident: {shapes:?}"
+    );
+}
