@@ -84,6 +84,10 @@ impl Model {
             planned: None,
         };
         let plan = Plan::new(&probe.weights, budget, floor(&probe))?;
+        // The map's tokenizer parse left many small allocations free: hand them back before
+        // the image is read, or the load peaks above the plan by what they held (Gemma 3's
+        // 262k-token vocabulary: ~30 MiB).
+        crate::alloc::trim();
         let image = crate::model::read_ranges(path, &plan.resident_ranges)?;
         let weights = probe.weights.rebased_onto(&image)?;
         let max_row = weights.token_embd.row_bytes();
@@ -96,7 +100,7 @@ impl Model {
                 UnitKind::Head { .. } => head_units.push(i),
             }
         }
-        // The map's tokenizer parse and the layout pass left small allocations free.
+        // The layout pass left small allocations free.
         crate::alloc::trim();
         Ok(Arc::new(Model {
             path: probe.path,
