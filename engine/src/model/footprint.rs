@@ -81,7 +81,7 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
             let template = h.chat_template.as_ref().map_or(0, String::len);
             Ok(file_len(path)? - streamed
                 + tables_bound(&h.config)
-                + tokenizer_bound(vocab.0, vocab.1, vocab.2)
+                + tokenizer_bound(vocab.0, vocab.1, vocab.2, vocab.3)
                 + other_bound(path, template))
         }
         SourceKind::Gguf => {
@@ -90,11 +90,20 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
                 super::map_file(path)?,
             )?)?;
             let v = &m.vocab;
-            let text = v.tokens.iter().map(String::len).sum();
+            let strings = v
+                .tokens
+                .iter()
+                .map(|t| Tokenizer::malloc_block(t.len()))
+                .sum();
             let template = m.chat_template.as_ref().map_or(0, String::len);
             Ok(file_len(path)?
                 + tables_bound(&m.config)
-                + tokenizer_bound(v.tokens.len(), text, v.merges.len())
+                + tokenizer_bound(
+                    v.tokens.len(),
+                    strings,
+                    Tokenizer::gguf_merge_count(v),
+                    Tokenizer::gguf_added_count(v),
+                )
                 + other_bound(path, template))
         }
         SourceKind::SafetensorsDir => {
@@ -111,48 +120,52 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
             // Every file of the directory (weights, tokenizer, config) bounds the image.
             Ok(total
                 + tables_bound(&config)
-                + tokenizer_bound(vocab.0, vocab.1, vocab.2)
+                + tokenizer_bound(vocab.0, vocab.1, vocab.2, vocab.3)
                 + other_bound(path, 0))
         }
     }
 }
 
-/// [`Tokenizer::heap_bytes`] as a tokenizer of these counts will report it: it counts a BPE
-/// vocabulary's merges as its tokens, and its special ids.
-fn tokenizer_bound(tokens: usize, text: usize, merges: usize) -> u64 {
+/// At least [`Tokenizer::heap_bytes`] of a tokenizer of these counts (`strings`: the malloc
+/// blocks of its token texts), with its special ids; a BPE vocabulary is counted with at least
+/// as many merges as tokens.
+fn tokenizer_bound(tokens: usize, strings: usize, merges: usize, added: usize) -> u64 {
     let merges = if merges > 0 { merges.max(tokens) } else { 0 };
-    Tokenizer::heap_bytes_bound(tokens, text, merges) + 4 * tokens as u64
+    Tokenizer::heap_bytes_bound(tokens, strings, merges, added) + 4 * tokens as u64
 }
 
-/// Tokens, bytes of token text and merges of a `tokenizer.json`; zeros where it does not parse
-/// (the load would then fail anyway).
-fn tokenizer_json_counts(json: &str) -> (usize, usize, usize) {
+/// Tokens, malloc blocks of token text ([`Tokenizer::malloc_block`]), merges and added tokens
+/// of a `tokenizer.json`; zeros where it does not parse (the load would then fail anyway).
+fn tokenizer_json_counts(json: &str) -> (usize, usize, usize, usize) {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
-        return (0, 0, 0);
+        return (0, 0, 0, 0);
     };
+    let mut added_count = 0;
     let model = &v["model"];
-    let (mut tokens, mut text) = (0, 0);
+    let block = |t: &str| Tokenizer::malloc_block(t.len());
+    let (mut tokens, mut strings) = (0, 0);
     if let Some(vocab) = model["vocab"].as_object() {
         tokens += vocab.len();
-        text += vocab.keys().map(String::len).sum::<usize>();
+        strings += vocab.keys().map(|t| block(t)).sum::<usize>();
     } else if let Some(vocab) = model["vocab"].as_array() {
         tokens += vocab.len(); // unigram: [token, score] pairs
-        text += vocab
+        strings += vocab
             .iter()
             .filter_map(|e| e[0].as_str())
-            .map(str::len)
+            .map(block)
             .sum::<usize>();
     }
     if let Some(added) = v["added_tokens"].as_array() {
         tokens += added.len();
-        text += added
+        added_count = added.len();
+        strings += added
             .iter()
             .filter_map(|t| t["content"].as_str())
-            .map(str::len)
+            .map(block)
             .sum::<usize>();
     }
     let merges = model["merges"].as_array().map_or(0, Vec::len);
-    (tokens, text, merges)
+    (tokens, strings, merges, added_count)
 }
 
 /// The f32 tables [`super::Weights`] derives (norms, biases), per the config's shapes, and the

@@ -202,8 +202,8 @@ fn check_merge<F: Fn(&str) -> bool>(i: usize, a: &str, b: &str, has: F) -> Resul
     Ok(())
 }
 
-/// Builds the tokenizer for `v`.
-pub(super) fn build(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
+/// Builds the tokenizer for `v`, and says how many BPE merges it holds (its largest table).
+pub(super) fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
     check_common(v)?;
     match v.model.as_str() {
         "gpt2" => build_byte_level(v),
@@ -214,7 +214,7 @@ pub(super) fn build(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
     }
 }
 
-fn build_byte_level(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
+fn build_byte_level(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
     let kind = pre_kind(v.pre.as_deref())?;
     let vocab = vocab_map(&v.tokens);
     let mut merges = Vec::with_capacity(v.merges.len());
@@ -227,6 +227,7 @@ fn build_byte_level(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
         check_merge(i, a, b, |t| vocab.contains_key(t))?;
         merges.push((a.to_string(), b.to_string()));
     }
+    let n_merges = merges.len();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         // llama.cpp takes a whole pre-token found in the vocabulary as is for Llama 3.
@@ -239,20 +240,26 @@ fn build_byte_level(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
     tok.with_decoder(Some(ByteLevel::new(false, true, true)));
     tok.with_post_processor(Some(ByteLevel::new(false, false, true)));
     add_special(&mut tok, v)?;
-    Ok(tok)
+    Ok((tok, n_merges))
 }
 
-/// Adds control (special) and user-defined tokens so that they are matched as single ids when
-/// written in text.
-pub(super) fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Result<()> {
-    let added: Vec<AddedToken> = v
-        .token_types
+/// The control (special) and user-defined tokens of `v`, with their types: those
+/// [`add_special`] adds.
+pub(super) fn added_tokens(v: &GgufVocab) -> impl Iterator<Item = (i32, &String)> {
+    v.token_types
         .iter()
         .zip(&v.tokens)
         .filter(|(ty, text)| {
             (**ty == TYPE_CONTROL || **ty == TYPE_USER_DEFINED) && !text.is_empty()
         })
-        .map(|(ty, text)| AddedToken::from(text.clone(), *ty == TYPE_CONTROL))
+        .map(|(ty, text)| (*ty, text))
+}
+
+/// Adds control (special) and user-defined tokens so that they are matched as single ids when
+/// written in text.
+pub(super) fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Result<()> {
+    let added: Vec<AddedToken> = added_tokens(v)
+        .map(|(ty, text)| AddedToken::from(text.clone(), ty == TYPE_CONTROL))
         .collect();
     if !added.is_empty() {
         tok.add_tokens(added)
@@ -262,18 +269,19 @@ pub(super) fn add_special(tok: &mut tokenizers::Tokenizer, v: &GgufVocab) -> Res
 }
 
 /// Checks the merges of a `tokenizer.json` BPE model before `tokenizers` sees them (it panics on
-/// some malformed merges). Other models and malformed JSON are left to `tokenizers`' own errors.
-pub(super) fn check_json_merges(json: &str) -> Result<()> {
+/// some malformed merges), and returns how many there are (0 for other models). Other models
+/// and malformed JSON are left to `tokenizers`' own errors.
+pub(super) fn check_json_merges(json: &str) -> Result<usize> {
     let Ok(value) = serde_json::from_str::<serde_json::Value>(json) else {
-        return Ok(()); // `tokenizers` reports the syntax error with its position.
+        return Ok(0); // `tokenizers` reports the syntax error with its position.
     };
     let model = &value["model"];
     if model["type"].as_str() != Some("BPE") {
-        return Ok(());
+        return Ok(0);
     }
     let (Some(vocab), Some(merges)) = (model["vocab"].as_object(), model["merges"].as_array())
     else {
-        return Ok(());
+        return Ok(0);
     };
     let prefix_len = model["continuing_subword_prefix"]
         .as_str()
@@ -323,7 +331,7 @@ pub(super) fn check_json_merges(json: &str) -> Result<()> {
             )));
         }
     }
-    Ok(())
+    Ok(merges.len())
 }
 
 #[cfg(test)]

@@ -87,12 +87,18 @@ impl std::fmt::Debug for Tokenizer {
 /// Texts of the end-of-turn control tokens that stop generation besides the eos id.
 const END_OF_TURN: [&str; 4] = ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|eom_id|>"];
 
+/// Heap an added token costs in the tokenizers crate's added vocabulary: its `AddedToken`, its
+/// entries in two maps and a set, and its share of the two Aho-Corasick automata that find
+/// added tokens in text. Measured on Gemma 3 (6 414 added tokens: about 250 bytes each), with
+/// a margin.
+const ADDED_TOKEN_BYTES: usize = 320;
+
 impl Tokenizer {
     /// Builds the tokenizer described by GGUF metadata. Bad metadata (too many tokens, merges
     /// naming missing tokens, ids out of range, an unknown `pre`) is an [`Error::Tokenizer`]
     /// naming what is wrong; it never panics.
     pub fn from_gguf(v: &GgufVocab) -> Result<Tokenizer> {
-        let inner = gguf::build(v)?;
+        let (inner, merges) = gguf::build(v)?;
         // Chat models end a turn with their own marker, which the metadata's one eos id often is
         // not (Gemma: `<eos>` is 1, a turn ends with `<end_of_turn>`): as llama.cpp does, a
         // control token spelled like a known end-of-turn marker stops generation too.
@@ -110,13 +116,29 @@ impl Tokenizer {
             eos,
             add_bos: v.add_bos,
         };
-        Tokenizer::assemble(inner, specials)
+        Tokenizer::assemble(inner, specials, merges)
+    }
+
+    /// How many BPE merges [`Tokenizer::from_gguf`] builds for `v` (the merges it lists; for a
+    /// SentencePiece vocabulary, every split of a token into two tokens), for estimates that
+    /// read only a file's header.
+    pub fn gguf_merge_count(v: &GgufVocab) -> usize {
+        match v.model.as_str() {
+            "llama" => spm::merge_count(&v.tokens),
+            _ => v.merges.len(),
+        }
+    }
+
+    /// How many added (control and user-defined) tokens [`Tokenizer::from_gguf`] registers for
+    /// `v`, for the same estimates.
+    pub fn gguf_added_count(v: &GgufVocab) -> usize {
+        gguf::added_tokens(v).count()
     }
 
     /// Loads `tokenizer.json` text (with special tokens given by the caller, from config files
     /// or the `.lsm` header). A malformed file is an [`Error::Tokenizer`], never a panic.
     pub fn from_json(json: &str, specials: SpecialTokens) -> Result<Tokenizer> {
-        gguf::check_json_merges(json)?;
+        let merges = gguf::check_json_merges(json)?;
         let parsed = catch_unwind(AssertUnwindSafe(|| {
             tokenizers::Tokenizer::from_bytes(json.as_bytes())
         }))
@@ -124,21 +146,21 @@ impl Tokenizer {
             Error::Tokenizer("tokenizer.json could not be loaded (parser panicked)".into())
         })?;
         let inner = parsed.map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
-        Tokenizer::assemble(inner, specials)
+        Tokenizer::assemble(inner, specials, merges)
     }
 
-    /// Checks `specials` against the vocabulary and caches the lookups `is_special` needs.
-    fn assemble(inner: tokenizers::Tokenizer, specials: SpecialTokens) -> Result<Tokenizer> {
+    /// Checks `specials` against the vocabulary and caches the lookups `is_special` needs;
+    /// `merges` is how many BPE merges `inner` holds (the crate keeps its table private).
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        specials: SpecialTokens,
+        merges: usize,
+    ) -> Result<Tokenizer> {
         let vocab = inner.get_vocab(true);
         let vocab_size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
-        let text = vocab.keys().map(String::len).sum();
-        // The BPE merge table is private to the tokenizers crate; a BPE vocabulary has about as
-        // many merges as tokens (SmolLM2: 48 900 merges, 49 152 tokens).
-        let merges = match inner.get_model() {
-            tokenizers::ModelWrapper::BPE(_) => vocab.len(),
-            _ => 0,
-        };
-        let heap_bytes = Tokenizer::heap_bytes_bound(vocab.len(), text, merges);
+        let strings = vocab.keys().map(|t| Tokenizer::malloc_block(t.len())).sum();
+        let added = inner.get_added_vocabulary().len();
+        let heap_bytes = Tokenizer::heap_bytes_bound(vocab.len(), strings, merges, added);
         drop(vocab);
         let ids = specials.bos.iter().chain(specials.eos.iter());
         for &id in ids.clone() {
@@ -172,29 +194,39 @@ impl Tokenizer {
     }
 
     /// Heap bytes this tokenizer holds, estimated: the tokenizers crate does not report its
-    /// size. The estimate is [`Tokenizer::heap_bytes_bound`] of its vocabulary, calibrated
-    /// against a counting allocator (`tests/model_bytes.rs`). Not counted: the crate's encode
-    /// cache, which grows with use (bounded by the crate, 10 000 words).
+    /// size. The estimate is [`Tokenizer::heap_bytes_bound`] of its vocabulary, checked against
+    /// a counting allocator that counts what malloc holds for each block (`tests/model_bytes.rs`).
+    /// Not counted: the crate's encode cache, which grows with use (bounded by the crate,
+    /// 10 000 words).
     pub fn heap_bytes(&self) -> u64 {
         self.heap_bytes
     }
 
-    /// The heap a tokenizer of `tokens` tokens (`text` bytes of token text in all) and `merges`
-    /// BPE merges holds, as the tokenizers crate lays it out: per token, its text twice (the
-    /// vocabulary and its reverse map) and a slot in each of the two hash maps; per merge, a slot
-    /// of the merge map; a hash map of n entries has the power of two of slots above n · 8/7.
-    /// Calibrated on SmolLM2 (49 152 tokens): 6.9 MB against 6.2 MB allocated.
-    pub fn heap_bytes_bound(tokens: usize, text: usize, merges: usize) -> u64 {
-        /// Margin per token text allocation.
-        const ALLOC_SLACK: usize = 8;
+    /// What glibc's malloc holds for a block of `len` bytes on a 64-bit target: the block and
+    /// its 8-byte header rounded up to 16, at least 32. A vocabulary is hundreds of thousands of
+    /// short strings, so this, not their length, is what they cost (Gemma 3: 262 144 tokens of 9
+    /// bytes on average take 32 bytes each, twice).
+    pub fn malloc_block(len: usize) -> usize {
+        (len + 8).next_multiple_of(16).max(32)
+    }
+
+    /// The heap a tokenizer of `tokens` tokens whose texts take `strings` bytes of malloc blocks
+    /// ([`Tokenizer::malloc_block`] of each length, summed), `merges` BPE merges and `added`
+    /// added tokens holds, as the tokenizers crate lays it out: per token, its text twice (the
+    /// vocabulary and its reverse map) and a slot in each of the two hash maps; per merge, a
+    /// slot of the merge map; a hash map of n entries has the power of two of slots above
+    /// n · 8/7; per added token, its entries in the added vocabulary's maps, sets and
+    /// Aho-Corasick automata ([`ADDED_TOKEN_BYTES`]).
+    pub fn heap_bytes_bound(tokens: usize, strings: usize, merges: usize, added: usize) -> u64 {
         /// One hash slot of `String → u32` or `u32 → String`, with its control byte.
         const TOKEN_SLOT: usize = 33;
         /// One hash slot of `(u32, u32) → (u32, u32)`, with its control byte.
         const MERGE_SLOT: usize = 17;
         let slots = |n: usize| (n * 8 / 7).next_power_of_two().max(4);
-        (2 * (text + tokens * ALLOC_SLACK)
+        (2 * strings
             + 2 * slots(tokens) * TOKEN_SLOT
             + slots(merges) * MERGE_SLOT
+            + added * ADDED_TOKEN_BYTES
             + (64 << 10)) as u64
     }
 
