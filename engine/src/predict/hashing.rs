@@ -12,7 +12,7 @@
 //! of `scale_i · Σ_k w_ik · bit_k`, with the weights stored as i8 and one f32 scale per neuron
 //! and stage.
 //!
-//! Relation to the LeanStream paper (DESIGN.md §5): its controller maps the hidden state through
+//! Relation to the LeanStream paper (arXiv 2609.03079): its controller maps the hidden state through
 //! stacked learnable hash functions to neuron scores, cheap in memory and time next to an MLP
 //! predictor. This is that idea in its simplest closed-form version: the hash functions are
 //! learned from the data (projections from the gate's data-aware SVD, offsets from the calibration

@@ -9,7 +9,7 @@
 //! target recall (default 0.95) of active neurons.
 //!
 //! Two predictors:
-//! - [`LowRank`]: a truncated SVD of the gate matrix (the baseline DESIGN.md §5 names);
+//! - [`LowRank`]: a truncated SVD of the gate matrix (the simple baseline);
 //! - [`Hashing`]: learned sign-bit hashing with per-neuron weights over the bits, in stages (after
 //!   the LeanStream paper's stacked learnable hashing).
 //!
