@@ -126,11 +126,9 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
     }
 }
 
-/// At least [`Tokenizer::heap_bytes`] of a tokenizer of these counts (`strings`: the malloc
-/// blocks of its token texts), with its special ids; a BPE vocabulary is counted with at least
-/// as many merges as tokens.
+/// [`Tokenizer::heap_bytes`] as a tokenizer of these counts will report it (`strings`: the
+/// malloc blocks of its token texts), with its special ids.
 fn tokenizer_bound(tokens: usize, strings: usize, merges: usize, added: usize) -> u64 {
-    let merges = if merges > 0 { merges.max(tokens) } else { 0 };
     Tokenizer::heap_bytes_bound(tokens, strings, merges, added) + 4 * tokens as u64
 }
 
@@ -140,7 +138,6 @@ fn tokenizer_json_counts(json: &str) -> (usize, usize, usize, usize) {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
         return (0, 0, 0, 0);
     };
-    let mut added_count = 0;
     let model = &v["model"];
     let block = |t: &str| Tokenizer::malloc_block(t.len());
     let (mut tokens, mut strings) = (0, 0);
@@ -157,7 +154,6 @@ fn tokenizer_json_counts(json: &str) -> (usize, usize, usize, usize) {
     }
     if let Some(added) = v["added_tokens"].as_array() {
         tokens += added.len();
-        added_count = added.len();
         strings += added
             .iter()
             .filter_map(|t| t["content"].as_str())
@@ -165,7 +161,8 @@ fn tokenizer_json_counts(json: &str) -> (usize, usize, usize, usize) {
             .sum::<usize>();
     }
     let merges = model["merges"].as_array().map_or(0, Vec::len);
-    (tokens, strings, merges, added_count)
+    let added = v["added_tokens"].as_array().map_or(0, Vec::len);
+    (tokens, strings, merges, added)
 }
 
 /// The f32 tables [`super::Weights`] derives (norms, biases), per the config's shapes, and the
