@@ -48,6 +48,9 @@ pub enum LeanStreamError {
     OverBudget(String),
     /// A limit was reached (sessions, a generation already running on the session).
     Busy(String),
+    /// The model file, or the daemon's settings for it, cannot be served (not a model, an
+    /// unsupported type, a mode the file does not support); the daemon itself is fine.
+    InvalidModel(String),
     /// The caller does not own the session.
     AccessDenied(String),
     /// The generation was cancelled.
@@ -65,6 +68,7 @@ impl LeanStreamError {
             LeanStreamError::InvalidArgument(_) => "the request has an invalid argument",
             LeanStreamError::OverBudget(_) => "the daemon's memory budget cannot fit this",
             LeanStreamError::Busy(_) => "the daemon is busy (a limit was reached)",
+            LeanStreamError::InvalidModel(_) => "the model file or its settings cannot be served",
             LeanStreamError::AccessDenied(_) => "this session belongs to another client",
             LeanStreamError::Cancelled(_) => "the generation was cancelled",
             LeanStreamError::Internal(_) => "internal daemon error",
@@ -112,6 +116,23 @@ impl Default for GenerateParams {
             repetition_penalty: 1.0,
             seed: 0,
             stop: Vec::new(),
+        }
+    }
+}
+
+#[cfg(feature = "engine")]
+impl GenerateParams {
+    /// The engine's sampler settings for these parameters, as the f32 values it samples with.
+    /// Their ranges are checked in one place, `SamplerConfig::validate`, which the daemon and the
+    /// CLI both call on this (a `top_p` of 5e-324 is positive here and 0 there: refused).
+    pub fn sampler_config(&self) -> leanstream_engine::sample::SamplerConfig {
+        leanstream_engine::sample::SamplerConfig {
+            temperature: self.temperature as f32,
+            top_k: self.top_k as usize,
+            top_p: self.top_p as f32,
+            repetition_penalty: self.repetition_penalty as f32,
+            seed: self.seed,
+            ..Default::default()
         }
     }
 }

@@ -114,6 +114,7 @@ pub fn stream_error(name: &str, message: &str) -> LeanStreamError {
         "OverBudget" => LeanStreamError::OverBudget(message),
         "Busy" => LeanStreamError::Busy(message),
         "AccessDenied" => LeanStreamError::AccessDenied(message),
+        "InvalidModel" => LeanStreamError::InvalidModel(message),
         "Cancelled" => LeanStreamError::Cancelled(message),
         "Internal" => LeanStreamError::Internal(message),
         other => LeanStreamError::Internal(format!("{other}: {message}")),

@@ -98,6 +98,7 @@ pub async fn run(
     );
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
+    let (departures_tx, departures_rx) = mpsc::unbounded_channel();
     let engine = Engine::start(events_tx, Box::new(Budget(tx.clone())))
         .context("starting the engine thread")?;
     let manager = Manager {
@@ -117,14 +118,14 @@ pub async fn run(
         tx.clone(),
         engine.tx.clone(),
     );
-    let state_task = tokio::spawn(state.run(rx, events_rx));
+    let state_task = tokio::spawn(state.run(rx, events_rx, departures_rx));
     // Subscribe to NameOwnerChanged before anyone can reach us.
     let changes = zbus::fdo::DBusProxy::new(&conn)
         .await?
         .receive_name_owner_changed()
         .await
         .context("watching clients (NameOwnerChanged)")?;
-    let watcher = tokio::spawn(watch_clients(changes, tx.clone()));
+    let watcher = tokio::spawn(watch_clients(changes, departures_tx));
 
     let reply = conn
         .request_name_with_flags(BUS_NAME, RequestNameFlags::DoNotQueue.into())
@@ -158,14 +159,24 @@ pub async fn run(
 }
 
 /// Reports every unique name that leaves the bus, so that its sessions are dropped at once.
-async fn watch_clients(mut stream: zbus::fdo::NameOwnerChangedStream, tx: mpsc::Sender<Request>) {
+///
+/// The channel is unbounded on purpose: zbus stops reading the socket once a signal stream it
+/// feeds has a full queue, so this loop must never wait. A bounded channel here deadlocked the
+/// daemon: the state owner, busy with a full request queue, awaited a bus reply (`NameHasOwner`)
+/// that the connection could no longer read because this stream was not being drained. A
+/// departure is a few bytes per client that ever connected, and the state owner handles them
+/// before requests.
+async fn watch_clients(
+    mut stream: zbus::fdo::NameOwnerChangedStream,
+    departures: mpsc::UnboundedSender<String>,
+) {
     while let Some(signal) = stream.next().await {
         let Ok(args) = signal.args() else { continue };
-        if args.name().starts_with(':') && args.new_owner().is_none() {
-            let client = args.name().to_string();
-            if tx.send(Request::ClientGone { client }).await.is_err() {
-                return;
-            }
+        if args.name().starts_with(':')
+            && args.new_owner().is_none()
+            && departures.send(args.name().to_string()).is_err()
+        {
+            return;
         }
     }
 }

@@ -654,7 +654,13 @@ fn compute(
             let tok = &model.model.tokenizer;
             g.generated.push(next);
             g.history.push(next);
-            let piece = g.detok.push(tok, next)?;
+            // The end-of-generation token (`<|im_end|>`, `<end_of_turn>`) is reported by id
+            // but is not part of the text: a chat client keeps the text as the reply.
+            let piece = if tok.is_eos(next) {
+                String::new()
+            } else {
+                g.detok.push(tok, next)?
+            };
             g.text.push_str(&piece);
             queue(
                 g,

@@ -31,15 +31,31 @@ pub enum LoadError {
     /// The footprint does not fit the budget beside what is already reserved.
     #[error("{0}")]
     OverBudget(String),
-    /// Anything else: the file, or a setting the file cannot satisfy.
+    /// The file, or a setting the file cannot satisfy: the caller or the administrator can fix
+    /// it, and the daemon is fine (`InvalidModel` on the wire).
+    #[error("{0}")]
+    Invalid(String),
+    /// The daemon could not do it: an I/O or device error, a loader thread lost (`Internal`).
     #[error("{0}")]
     Failed(String),
 }
 
 impl LoadError {
+    /// Sorts an engine error: reading the file or using the device failed (the daemon's
+    /// problem), or the file itself cannot be served (anything else).
+    pub fn from_engine(context: &str, e: &leanstream_engine::Error) -> LoadError {
+        use leanstream_engine::Error as E;
+        let message = format!("{context}: {e}");
+        match e {
+            E::Io { .. } | E::Read { .. } | E::Os { .. } | E::Cuda(_) => LoadError::Failed(message),
+            _ => LoadError::Invalid(message),
+        }
+    }
+
     pub fn to_wire(&self) -> LeanStreamError {
         match self {
             LoadError::OverBudget(m) => LeanStreamError::OverBudget(m.clone()),
+            LoadError::Invalid(m) => LeanStreamError::InvalidModel(m.clone()),
             LoadError::Failed(m) => LeanStreamError::Internal(m.clone()),
         }
     }
@@ -85,7 +101,7 @@ impl Footprint {
     ///
     /// Sparse modes need a `.lsm` file; a GGUF file is refused with the command that converts it.
     pub fn of(file: &ModelFile, p: &ModelParams) -> Result<Footprint, LoadError> {
-        let failed = |e: leanstream_engine::Error| LoadError::Failed(e.to_string());
+        let failed = |e: leanstream_engine::Error| LoadError::from_engine(&file.name, &e);
         if p.mode == Mode::Dense {
             let all = load_bytes_estimate(&file.path, false).map_err(failed)?;
             return Ok(Footprint {
@@ -96,7 +112,7 @@ impl Footprint {
             });
         }
         if file.format != "lsm" {
-            return Err(LoadError::Failed(format!(
+            return Err(LoadError::Invalid(format!(
                 "model {0} is a {1} file, but `{2}` = \"{3}\" streams from a .lsm file: convert it \
                  with `leanstream convert {0}.{1} -o {0}.lsm` in the model directory",
                 file.name, file.format, p.mode_key, p.mode
@@ -200,12 +216,12 @@ impl LoadedModel {
     ) -> Result<LoadedModel, LoadError> {
         let p = params.model(&file.name);
         let failed = |e: leanstream_engine::Error| {
-            LoadError::Failed(format!("loading model {}: {e}", file.name))
+            LoadError::from_engine(&format!("loading model {}", file.name), &e)
         };
         let (model, ffn) = if p.mode == Mode::Dense {
             let model = match p.max_bytes {
                 Some(max) => Model::load_with_max_bytes(&file.path, max).map_err(|e| match e {
-                    leanstream_engine::Error::OverBudget { .. } => LoadError::Failed(format!(
+                    leanstream_engine::Error::OverBudget { .. } => LoadError::Invalid(format!(
                         "model {}: `models.{}.max_bytes` = {max} is too small: {e}",
                         file.name, file.name
                     )),
@@ -240,7 +256,7 @@ impl LoadedModel {
                 },
             )
             .map_err(|e| match e {
-                leanstream_engine::Error::OverBudget { .. } => LoadError::Failed(format!(
+                leanstream_engine::Error::OverBudget { .. } => LoadError::Invalid(format!(
                     "model {}: `{}` = {} makes a neuron cache of {cache_bytes} bytes, less than \
                      one layer's chunks: raise it ({e})",
                     file.name, p.cache_share_key, p.cache_share
@@ -304,7 +320,7 @@ fn open_sparse(file: &ModelFile, p: &ModelParams) -> Result<Arc<SparseModel>, Lo
     let name = &file.name;
     let off = p.sparsity == Some(0.0);
     let mut sm = SparseModel::open_for_mode(&file.path, p.mode, !off).map_err(|e| {
-        LoadError::Failed(format!(
+        LoadError::Invalid(format!(
             "model {name} cannot run in `{}` mode: {e} (or set `{}` = 0 to stream it without \
              sparsity)",
             p.mode, p.sparsity_key
@@ -319,7 +335,7 @@ fn open_sparse(file: &ModelFile, p: &ModelParams) -> Result<Arc<SparseModel>, Lo
     } else if let Some(want) = p.sparsity
         && (f64::from(sm.sparsity) - want).abs() > 1e-4
     {
-        return Err(LoadError::Failed(format!(
+        return Err(LoadError::Invalid(format!(
             "model {name} is calibrated for sparsity {:.2}, but `{}` = {want}: run `leanstream \
              calibrate --sparsity {want} {name}.lsm` in the model directory, or unset the key to \
              use the file's",
@@ -343,7 +359,7 @@ mod tests {
 
     fn failure(r: Result<(Footprint, LoadedModel), LoadError>) -> String {
         match r {
-            Err(LoadError::Failed(m)) => m,
+            Err(LoadError::Invalid(m)) => m,
             other => panic!("expected a load failure, got {other:?}"),
         }
     }

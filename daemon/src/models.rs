@@ -7,6 +7,7 @@
 //! resolves outside the directory, is `ModelNotFound` (a client learns nothing about the rest of
 //! the file system).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use leanstream::contract::LeanStreamError;
@@ -72,10 +73,12 @@ pub fn resolve(dir: &Path, name: &str) -> Result<ModelFile, LeanStreamError> {
 fn inspect(dir: &Path, candidate: &Path, name: &str, ext: &'static str) -> Option<ModelFile> {
     let real = candidate.canonicalize().ok()?;
     if !real.starts_with(dir) {
-        tracing::warn!(
-            "model {name:?}: {} resolves outside the model directory; ignored",
-            candidate.display()
-        );
+        if first_sight(candidate) {
+            tracing::warn!(
+                "model {name:?}: {} resolves outside the model directory; ignored",
+                candidate.display()
+            );
+        }
         return None;
     }
     let meta = std::fs::metadata(&real).ok()?;
@@ -85,6 +88,15 @@ fn inspect(dir: &Path, candidate: &Path, name: &str, ext: &'static str) -> Optio
         path: real,
         bytes: meta.len(),
     })
+}
+
+/// Whether `path` is reported for the first time: a bad file is logged once per process, not
+/// once per `ListModels` call (a client polling the list would flood the journal).
+fn first_sight(path: &Path) -> bool {
+    static SEEN: std::sync::Mutex<BTreeSet<PathBuf>> = std::sync::Mutex::new(BTreeSet::new());
+    SEEN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(path.to_path_buf())
 }
 
 /// Every model in `dir`, sorted by name (one entry per name; `.lsm` preferred).
@@ -161,5 +173,9 @@ mod tests {
         }
         let names: Vec<_> = list(&dir).unwrap().into_iter().map(|m| m.name).collect();
         assert_eq!(names, ["alias", "other", "tiny"]);
+        // The escaping link was reported above; listing again does not report it again.
+        assert!(!first_sight(&dir.join("escape.gguf")));
+        assert!(first_sight(&dir.join("never-seen.gguf")));
+        assert!(!first_sight(&dir.join("never-seen.gguf")));
     }
 }

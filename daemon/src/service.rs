@@ -8,7 +8,6 @@ use leanstream::contract::{
     ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, SessionStats,
 };
 use leanstream_engine::chat::ChatMessage;
-use leanstream_engine::sample::SamplerConfig;
 use tokio::sync::mpsc;
 use zbus::interface;
 use zbus::message::Header;
@@ -57,18 +56,6 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
             ));
         }
     };
-    if !(p.temperature.is_finite() && (0.0..=100.0).contains(&p.temperature)) {
-        return invalid(format!("temperature {} is outside 0..=100", p.temperature));
-    }
-    if !(p.top_p.is_finite() && p.top_p > 0.0 && p.top_p <= 1.0) {
-        return invalid(format!("top_p {} is outside (0, 1]", p.top_p));
-    }
-    if !(p.repetition_penalty.is_finite() && (0.1..=10.0).contains(&p.repetition_penalty)) {
-        return invalid(format!(
-            "repetition_penalty {} is outside 0.1..=10",
-            p.repetition_penalty
-        ));
-    }
     if p.top_k > 1_000_000 {
         return invalid(format!("top_k {} is absurd", p.top_k));
     }
@@ -81,16 +68,13 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
             "stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"
         ));
     }
+    let sampler = p.sampler_config();
+    sampler
+        .validate()
+        .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
     Ok(GenSpec {
         max_tokens,
-        sampler: SamplerConfig {
-            temperature: p.temperature as f32,
-            top_k: p.top_k as usize,
-            top_p: p.top_p as f32,
-            repetition_penalty: p.repetition_penalty as f32,
-            seed: p.seed,
-            ..SamplerConfig::default()
-        },
+        sampler,
         stop: p.stop.clone(),
     })
 }
@@ -119,8 +103,13 @@ pub struct Manager {
 
 #[interface(name = "io.github.leanstream.LeanStream1.Manager")]
 impl Manager {
+    /// `_header`: zbus checks a call's arguments against the method's only when the method
+    /// reads the message; without it, a call with extra arguments would be answered.
     #[zbus(out_args("models"))]
-    async fn list_models(&self) -> Result<Vec<ModelInfo>, LeanStreamError> {
+    async fn list_models(
+        &self,
+        #[zbus(header)] _header: Header<'_>,
+    ) -> Result<Vec<ModelInfo>, LeanStreamError> {
         ask(&self.tx, |reply| Request::ListModels { reply }).await
     }
 
@@ -169,9 +158,16 @@ impl Manager {
         .await
     }
 
+    /// Replies with one struct argument (a 1-tuple: zbus would spread a bare struct's fields
+    /// over as many arguments, unlike the introspected signature). `_header` makes the
+    /// arguments strict (see `list_models`).
     #[zbus(out_args("report"))]
-    async fn memory(&self) -> Result<MemoryReport, LeanStreamError> {
-        ask(&self.tx, |reply| Request::Memory { reply }).await
+    async fn memory(
+        &self,
+        #[zbus(header)] _header: Header<'_>,
+    ) -> Result<(MemoryReport,), LeanStreamError> {
+        let report = ask(&self.tx, |reply| Request::Memory { reply }).await?;
+        Ok((report,))
     }
 
     #[zbus(property)]
@@ -280,10 +276,11 @@ impl SessionObject {
     async fn stats(
         &self,
         #[zbus(header)] header: Header<'_>,
-    ) -> Result<SessionStats, LeanStreamError> {
+    ) -> Result<(SessionStats,), LeanStreamError> {
         let client = caller(&header)?;
         let id = self.id;
-        ask(&self.tx, |reply| Request::Stats { id, client, reply }).await
+        let stats = ask(&self.tx, |reply| Request::Stats { id, client, reply }).await?;
+        Ok((stats,))
     }
 }
 
@@ -304,12 +301,14 @@ mod tests {
         let p = params();
         let ok = GenerateParams::default();
         assert_eq!(validate_params(&ok, &p).unwrap().max_tokens, p.max_tokens);
-        let cases: [fn(&mut GenerateParams); 9] = [
+        let cases: [fn(&mut GenerateParams); 10] = [
             |g| g.temperature = f64::NAN,
             |g| g.temperature = -1.0,
             |g| g.temperature = 1e9,
             |g| g.top_p = 0.0,
             |g| g.top_p = f64::INFINITY,
+            // Positive as an f64, zero as the f32 the sampler uses.
+            |g| g.top_p = 5e-324,
             |g| g.repetition_penalty = 0.0,
             |g| g.max_tokens = u32::MAX,
             |g| g.stop = vec![String::new()],

@@ -74,10 +74,6 @@ pub enum Request {
         client: String,
         reply: Reply<SessionStats>,
     },
-    /// A unique bus name disappeared.
-    ClientGone {
-        client: String,
-    },
     /// Internal: a loader thread asks to reserve its model's memory before it loads.
     Reserve {
         name: String,
@@ -241,11 +237,13 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// Serves requests until `Shutdown` (or every sender is gone).
+    /// Serves requests until `Shutdown` (or every sender is gone). `departures` carries the
+    /// unique bus names that left the bus.
     pub async fn run(
         mut self,
         mut rx: mpsc::Receiver<Request>,
         mut events: mpsc::UnboundedReceiver<EngineEvent>,
+        mut departures: mpsc::UnboundedReceiver<String>,
     ) {
         match zbus::fdo::DBusProxy::new(&self.conn).await {
             Ok(p) => self.bus = Some(p),
@@ -258,6 +256,7 @@ impl<M: Memory> State<M> {
             tokio::select! {
                 biased;
                 Some(ev) = events.recv() => self.engine_event(ev),
+                Some(client) = departures.recv() => self.client_gone(&client).await,
                 req = rx.recv() => match req {
                     Some(Request::Shutdown { reply }) => {
                         self.shutdown().await;
@@ -397,7 +396,6 @@ impl<M: Memory> State<M> {
                 });
                 let _ = reply.send(r);
             }
-            Request::ClientGone { client } => self.client_gone(&client).await,
             Request::Reserve {
                 name,
                 footprint,
@@ -464,9 +462,9 @@ impl<M: Memory> State<M> {
     /// Checks that `client` is still on the bus the first time it asks for something that
     /// holds memory, and records it. This closes the race between a request and its client's
     /// disconnection: the bus sends NameOwnerChanged after the name is gone, so either the
-    /// `ClientGone` notice is handled after this request (and releases what it got), or it
-    /// came first and the bus now answers that the name has no owner (and the request is
-    /// refused). A known client needs no new check: its `ClientGone` is still to come.
+    /// departure is handled after this request (and releases what it got), or it came first
+    /// (forgetting the client) and the bus now answers that the name has no owner (and the
+    /// request is refused). A known client needs no new check: its departure is still to come.
     async fn admit_client(&mut self, client: &str) -> Result<&mut ClientEntry, LeanStreamError> {
         if !self.clients.contains_key(client)
             && let Some(bus) = &self.bus
@@ -697,7 +695,7 @@ impl<M: Memory> State<M> {
             } => {
                 let r = match self.open(model, context, client) {
                     // Serve the object before answering, so the client can call it at once, and
-                    // before the next request, so a `ClientGone` can only find it served.
+                    // before the next request, so a departure can only find it served.
                     Ok((id, ())) => {
                         let obj = crate::service::SessionObject::new(
                             id,

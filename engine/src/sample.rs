@@ -99,13 +99,17 @@ impl Sampler {
         if cfg.temperature == 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit (descending), ties by id, truncated to top-k.
+        // Candidates sorted by logit (descending), ties by id, truncated to top-k. Each logit is
+        // taken relative to the largest before the division, so a tiny temperature sends the
+        // others to -inf (probability 0) instead of overflowing every logit to ±inf (inf - inf
+        // is NaN, and a NaN softmax picks an arbitrary token).
+        let top = logits[argmax(logits) as usize];
         self.candidates.clear();
         self.candidates.extend(
             logits
                 .iter()
                 .enumerate()
-                .map(|(i, &l)| (l / cfg.temperature, i as u32)),
+                .map(|(i, &l)| ((l - top) / cfg.temperature, i as u32)),
         );
         let by_logit = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         let k = if cfg.top_k == 0 {
@@ -191,6 +195,23 @@ mod tests {
         };
         assert_eq!(run(cfg.clone()), run(cfg.clone()));
         assert_ne!(run(cfg.clone()), run(SamplerConfig { seed: 8, ..cfg }));
+    }
+
+    #[test]
+    fn the_smallest_temperatures_sample_the_argmax_not_nan() {
+        for temperature in [1e-38f32, f32::MIN_POSITIVE, 1e-45, 1e-30] {
+            let cfg = SamplerConfig {
+                temperature,
+                seed: 3,
+                ..Default::default()
+            };
+            let mut s = Sampler::new(cfg, 100).unwrap();
+            for _ in 0..20 {
+                let mut l = logits();
+                let best = argmax(&l);
+                assert_eq!(s.sample(&mut l, &[]), best, "temperature {temperature}");
+            }
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! optimised; an unoptimised forward pass would take minutes) and takes it from the target
 //! directory next to the running executable.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -30,14 +30,51 @@ pub const STORY_GREEDY: [u32; 16] = [
 /// The model's name in the daemon (the file stem).
 pub const MODEL: &str = "smollm2";
 
+/// How long one end-to-end test may run. A test that hangs (a deadlock, a stream that never
+/// ends) fails with this limit in its message instead of running into CI's overall time limit.
+pub const TEST_LIMIT: Duration = Duration::from_secs(600);
+
+/// How long a token stream may take to end ([`read_stream`], [`read_stream_timed`]): far more
+/// than the slowest generation the tests ask for.
+pub const STREAM_LIMIT: Duration = Duration::from_secs(300);
+
 /// The async runtime every end-to-end test drives its clients on.
-pub fn runtime() -> tokio::runtime::Runtime {
+pub fn runtime() -> TestRuntime {
     #[allow(clippy::expect_used)]
-    tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .expect("tokio runtime")
+        .expect("tokio runtime");
+    TestRuntime(Some(rt))
+}
+
+/// A tokio runtime whose [`TestRuntime::block_on`] gives up after [`TEST_LIMIT`].
+#[derive(Debug)]
+pub struct TestRuntime(Option<tokio::runtime::Runtime>);
+
+impl TestRuntime {
+    /// Runs a test body to completion, or fails once it has run for [`TEST_LIMIT`].
+    pub fn block_on<T>(&self, test: impl Future<Output = Result<T>>) -> Result<T> {
+        let Some(rt) = &self.0 else {
+            bail!("the test runtime is shut down");
+        };
+        rt.block_on(async {
+            match tokio::time::timeout(TEST_LIMIT, test).await {
+                Ok(result) => result,
+                Err(_) => bail!("the test did not finish within {TEST_LIMIT:?}: it hangs"),
+            }
+        })
+    }
+}
+
+impl Drop for TestRuntime {
+    /// A hung test may leave a blocking read behind; do not wait for it forever.
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_timeout(Duration::from_secs(10));
+        }
+    }
 }
 
 /// The real test model; fails loudly when missing (CI runs `scripts/fetch-model` first).
@@ -390,22 +427,17 @@ pub struct Stream {
     pub end: Option<StreamEvent>,
 }
 
-/// Reads a token stream to EOF.
+/// Reads a token stream to EOF (at most [`STREAM_LIMIT`]).
 pub async fn read_stream(fd: zbus::zvariant::OwnedFd) -> Result<Stream> {
-    let fd: OwnedFd = fd.into();
-    tokio::task::spawn_blocking(move || {
-        let mut text = String::new();
-        std::fs::File::from(fd).read_to_string(&mut text)?;
-        parse_stream(&text)
-    })
-    .await?
+    Ok(read_stream_timed(fd).await?.0)
 }
 
 /// Reads a token stream to EOF line by line, noting when each token event arrived (for
-/// latency measurements: time to first token, decode rate).
+/// latency measurements: time to first token, decode rate). Fails when the stream has not
+/// ended within [`STREAM_LIMIT`].
 pub async fn read_stream_timed(fd: zbus::zvariant::OwnedFd) -> Result<(Stream, Vec<Instant>)> {
     let fd: OwnedFd = fd.into();
-    tokio::task::spawn_blocking(move || {
+    let read = tokio::task::spawn_blocking(move || {
         let mut reader = BufReader::new(std::fs::File::from(fd));
         let mut text = String::new();
         let mut arrivals = Vec::new();
@@ -420,8 +452,11 @@ pub async fn read_stream_timed(fd: zbus::zvariant::OwnedFd) -> Result<(Stream, V
         }
         let stream = parse_stream(&text)?;
         Ok((stream, arrivals))
-    })
-    .await?
+    });
+    match tokio::time::timeout(STREAM_LIMIT, read).await {
+        Ok(joined) => joined?,
+        Err(_) => bail!("the token stream did not end within {STREAM_LIMIT:?}"),
+    }
 }
 
 /// Parses the JSON lines of a stream.
@@ -468,6 +503,7 @@ pub fn error_name<T: std::fmt::Debug>(r: Result<T, zbus::Error>) -> String {
         Err(LeanStreamError::OverBudget(_)) => "OverBudget".into(),
         Err(LeanStreamError::Busy(_)) => "Busy".into(),
         Err(LeanStreamError::AccessDenied(_)) => "AccessDenied".into(),
+        Err(LeanStreamError::InvalidModel(_)) => "InvalidModel".into(),
         Err(LeanStreamError::Cancelled(_)) => "Cancelled".into(),
         Err(LeanStreamError::Internal(m)) => format!("Internal: {m}"),
         Err(LeanStreamError::ZBus(e)) => format!("ZBus: {e}"),

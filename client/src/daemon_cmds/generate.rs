@@ -16,16 +16,16 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 0)]
     pub max_tokens: u32,
     /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
+    #[arg(long, default_value_t = 0.0, value_parser = temperature)]
     pub temperature: f64,
     /// Keep only the K most likely tokens; 0 = off.
     #[arg(long, default_value_t = 0)]
     pub top_k: u32,
     /// Nucleus sampling mass, in (0, 1]; 1 = off.
-    #[arg(long, default_value_t = 1.0, value_parser = probability)]
+    #[arg(long, default_value_t = 1.0, value_parser = top_p)]
     pub top_p: f64,
     /// Penalty on already generated tokens; 1 = off.
-    #[arg(long, default_value_t = 1.0, value_parser = positive)]
+    #[arg(long, default_value_t = 1.0, value_parser = repetition_penalty)]
     pub repetition_penalty: f64,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
@@ -56,6 +56,7 @@ impl SamplingArgs {
     }
 }
 
+/// Parses a finite number.
 fn parse_f64(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if v.is_finite() {
@@ -65,31 +66,31 @@ fn parse_f64(s: &str) -> Result<f64, String> {
     }
 }
 
-fn non_negative(s: &str) -> Result<f64, String> {
+/// Parses one sampling value and checks it with the engine's `SamplerConfig::validate`, the
+/// one place the ranges are written (the daemon checks the wire values with it too, see
+/// `GenerateParams::sampler_config`). Without the engine linked, the daemon's check alone holds.
+fn sampling_value(s: &str, set: fn(&mut GenerateParams, f64)) -> Result<f64, String> {
     let v = parse_f64(s)?;
-    if v >= 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{s} is negative"))
-    }
+    let mut params = GenerateParams::default();
+    set(&mut params, v);
+    #[cfg(feature = "engine")]
+    params
+        .sampler_config()
+        .validate()
+        .map_err(|e| e.to_string())?;
+    Ok(v)
 }
 
-fn positive(s: &str) -> Result<f64, String> {
-    let v = parse_f64(s)?;
-    if v > 0.0 {
-        Ok(v)
-    } else {
-        Err(format!("{s} is not above 0"))
-    }
+fn temperature(s: &str) -> Result<f64, String> {
+    sampling_value(s, |p, v| p.temperature = v)
 }
 
-fn probability(s: &str) -> Result<f64, String> {
-    let v = parse_f64(s)?;
-    if v > 0.0 && v <= 1.0 {
-        Ok(v)
-    } else {
-        Err(format!("{s} is not in (0, 1]"))
-    }
+fn top_p(s: &str) -> Result<f64, String> {
+    sampling_value(s, |p, v| p.top_p = v)
+}
+
+fn repetition_penalty(s: &str) -> Result<f64, String> {
+    sampling_value(s, |p, v| p.repetition_penalty = v)
 }
 
 #[derive(Args, Debug)]
@@ -301,14 +302,17 @@ mod tests {
     }
 
     #[test]
-    fn sampling_values_are_checked() {
-        assert!(non_negative("0").is_ok());
-        assert!(non_negative("-0.1").is_err());
-        assert!(non_negative("nan").is_err());
-        assert!(probability("1").is_ok());
-        assert!(probability("0").is_err());
-        assert!(probability("1.5").is_err());
-        assert!(positive("inf").is_err());
-        assert!(positive("x").is_err());
+    fn sampling_values_are_checked_as_the_sampler_checks_them() {
+        assert_eq!(temperature("0.5"), Ok(0.5));
+        assert!(temperature("nan").is_err());
+        assert!(temperature("x").is_err());
+        assert!(temperature("-0.1").is_err_and(|e| e.contains("temperature")));
+        assert_eq!(top_p("1"), Ok(1.0));
+        assert!(top_p("0").is_err());
+        // Positive, but 0 as the f32 the sampler uses.
+        assert!(top_p("5e-324").is_err());
+        assert!(top_p("1.5").is_err());
+        assert!(repetition_penalty("inf").is_err());
+        assert!(repetition_penalty("0").is_err());
     }
 }

@@ -133,7 +133,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         &sampler,
         &eos,
         |id| {
-            if args.json {
+            // The end-of-generation token is not part of the text (as in the daemon's stream).
+            if args.json || eos.contains(&id) {
                 return true;
             }
             let piece = stream
@@ -157,7 +158,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let out = json!({
             "prompt_ids": prompt_ids,
             "ids": generation.ids,
-            "text": model.tokenizer.decode(&generation.ids)?,
+            "text": model.tokenizer.decode(text_ids(&generation.ids, &eos))?,
             "stop_reason": format!("{:?}", generation.stop).to_lowercase(),
             "quantization": leanstream_engine::model::summarize(&args.model)
                 .map(|s| s.quantization)
@@ -210,4 +211,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The generated ids that make up the text: all but a final end-of-generation token.
+fn text_ids<'a>(ids: &'a [u32], eos: &[u32]) -> &'a [u32] {
+    match ids.split_last() {
+        Some((last, rest)) if eos.contains(last) => rest,
+        _ => ids,
+    }
 }

@@ -23,9 +23,9 @@ fn usage_error(args: &[&str], needle: &str) {
 #[test]
 fn bad_arguments_exit_2_with_the_reason() {
     usage_error(&["generate"], "<PROMPT>");
-    usage_error(&["generate", "--temperature=-1", "x"], "is negative");
+    usage_error(&["generate", "--temperature=-1", "x"], "outside 0..=100");
     usage_error(&["generate", "--temperature", "nan", "x"], "not finite");
-    usage_error(&["generate", "--top-p", "0", "x"], "not in (0, 1]");
+    usage_error(&["generate", "--top-p", "0", "x"], "outside (0, 1]");
     usage_error(&["generate", "--max-tokens=-3", "x"], "--max-tokens");
     usage_error(&["generate", "--seed", "many", "x"], "--seed");
     usage_error(&["--bus", "sytem", "models"], "invalid bus \"sytem\"");

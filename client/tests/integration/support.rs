@@ -237,8 +237,11 @@ impl MockManager {
         Ok(path)
     }
 
-    async fn memory(&self) -> MemoryReport {
-        MemoryReport {
+    /// One struct argument on the wire, as the real daemon replies (a 1-tuple; a bare struct
+    /// would be spread over its fields).
+    #[zbus(out_args("report"))]
+    async fn memory(&self) -> (MemoryReport,) {
+        (MemoryReport {
             budget_bytes: 64 << 20,
             used_bytes: 10 << 20,
             rss_bytes: 30 << 20,
@@ -257,7 +260,7 @@ impl MockManager {
                 sessions: 0,
                 bytes: 0,
             }],
-        }
+        },)
     }
 
     #[zbus(property)]
@@ -382,13 +385,14 @@ impl MockSession {
         Ok(())
     }
 
-    async fn stats(&self) -> SessionStats {
-        SessionStats {
+    #[zbus(out_args("stats"))]
+    async fn stats(&self) -> (SessionStats,) {
+        (SessionStats {
             model: self.model.clone(),
             context_tokens: self.context_tokens,
             position: 0,
             generations: self.generations.load(Ordering::Relaxed),
             generated_tokens: 0,
-        }
+        },)
     }
 }

@@ -178,7 +178,12 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<
             max_sessions: 2,
             ..DaemonConfig::default()
         };
-        let _daemon = crate::start_daemon(&bus, &cfg).await?;
+        let daemon = crate::start_daemon(&bus, &cfg).await?;
+        // A file that is not a model, and a GGUF that ends in its header.
+        let models = daemon.dir.path().join("models");
+        std::fs::write(models.join("garbage.gguf"), b"this is not a model at all")?;
+        let header = std::fs::read(real_model())?;
+        std::fs::write(models.join("cut.gguf"), &header[..4096])?;
         let c = Client::new(&bus).await?;
         let m = &c.manager;
         let still_works = || async {
@@ -193,6 +198,8 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<
             ("..", "InvalidArgument"),
             ("escape", "ModelNotFound"),
             ("", "InvalidArgument"),
+            ("garbage", "InvalidModel"),
+            ("cut", "InvalidModel"),
         ] {
             assert_eq!(error_name(m.open_session(name, 64).await), want, "{name:?}");
             assert_eq!(error_name(m.load_model(name).await), want, "{name:?}");
@@ -219,11 +226,13 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() -> anyhow::Result<
             error_name(s.generate(&long, &greedy(2)).await),
             "InvalidArgument"
         );
-        let absurd: [fn(&mut GenerateParams); 5] = [
+        let absurd: [fn(&mut GenerateParams); 6] = [
             |p| p.temperature = f64::NAN,
             |p| p.temperature = 1e6,
             |p| p.top_p = 7.0,
             |p| p.top_p = 0.0,
+            // Positive as an f64, zero as the sampler's f32.
+            |p| p.top_p = 5e-324,
             |p| p.max_tokens = 1_000_000,
         ];
         for f in absurd {
@@ -413,6 +422,211 @@ fn a_prompt_that_is_not_utf8_is_refused_and_the_daemon_keeps_serving() -> anyhow
         let mine = session_proxy(&c.conn, path).await?;
         let out = read_stream(mine.generate(STORY_PROMPT, &greedy(2)).await?).await?;
         assert_eq!(out.ids, STORY_GREEDY[..2]);
+        Ok(())
+    })
+}
+
+/// The `type`s of the `out` arguments of `method` in an introspection document.
+fn out_signature(xml: &str, method: &str) -> anyhow::Result<String> {
+    let start = xml
+        .find(&format!("<method name=\"{method}\">"))
+        .ok_or_else(|| anyhow::anyhow!("{method} is not introspected"))?;
+    let body = &xml[start..];
+    let body = &body[..body.find("</method>").unwrap_or(body.len())];
+    let mut sig = String::new();
+    for arg in body.split("<arg ").skip(1) {
+        let tag = &arg[..arg.find('>').unwrap_or(arg.len())];
+        if tag.contains("direction=\"out\"") {
+            let t = tag
+                .split("type=\"")
+                .nth(1)
+                .and_then(|t| t.split('"').next())
+                .ok_or_else(|| anyhow::anyhow!("an argument of {method} has no type"))?;
+            sig.push_str(t);
+        }
+    }
+    Ok(sig)
+}
+
+/// The signature field of a message as it is on the wire. zbus parses it into one structure
+/// whether the body is one struct argument or several arguments, so it cannot tell `(tt)` from
+/// `tt`; a C or Python client can, so this reads the header bytes as they do.
+fn wire_signature(msg: &zbus::Message) -> anyhow::Result<String> {
+    let b: &[u8] = msg.data();
+    anyhow::ensure!(b.first() == Some(&b'l'), "not a little-endian message");
+    let u32_at = |at: usize| -> anyhow::Result<usize> {
+        let bytes = b
+            .get(at..at + 4)
+            .ok_or_else(|| anyhow::anyhow!("short header"))?;
+        Ok(u32::from_le_bytes(bytes.try_into()?) as usize)
+    };
+    let byte_at = |at: usize| {
+        b.get(at)
+            .copied()
+            .map(usize::from)
+            .ok_or_else(|| anyhow::anyhow!("short header"))
+    };
+    // Fields: an array of (code: byte, value: variant) structures, each aligned to 8.
+    let end = 16 + u32_at(12)?;
+    let mut at = 16;
+    while at < end {
+        at = at.next_multiple_of(8);
+        let code = byte_at(at)?;
+        let kind_len = byte_at(at + 1)?;
+        let kind = b.get(at + 2..at + 2 + kind_len).unwrap_or_default();
+        at += 2 + kind_len + 1;
+        match kind {
+            b"g" => {
+                let n = byte_at(at)?;
+                if code == 8 {
+                    return Ok(String::from_utf8(b[at + 1..at + 1 + n].to_vec())?);
+                }
+                at += 1 + n + 1;
+            }
+            b"s" | b"o" => {
+                at = at.next_multiple_of(4);
+                at += 4 + u32_at(at)? + 1;
+            }
+            b"u" => at = at.next_multiple_of(4) + 4,
+            other => anyhow::bail!("unexpected header field type {other:?}"),
+        }
+    }
+    Ok(String::new())
+}
+
+/// Calls `method` with `args` through a plain message, as a C or Python client would.
+async fn call<B>(
+    conn: &zbus::Connection,
+    path: &str,
+    interface: &str,
+    method: &str,
+    args: &B,
+) -> zbus::Result<zbus::Message>
+where
+    B: serde::Serialize + zbus::zvariant::DynamicType,
+{
+    conn.call_method(
+        Some(leanstream::contract::BUS_NAME),
+        path,
+        Some(interface),
+        method,
+        args,
+    )
+    .await
+}
+
+#[test]
+fn replies_have_the_introspected_signatures_and_argument_lists_are_strict() -> anyhow::Result<()> {
+    use leanstream::contract::{MANAGER_INTERFACE, MANAGER_PATH, SESSION_INTERFACE};
+    const INTROSPECTABLE: &str = "org.freedesktop.DBus.Introspectable";
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
+        let c = Client::new(&bus).await?;
+        let session = c.manager.open_session(MODEL, 64).await?;
+        let session = session.as_str();
+        let manager_xml: String = call(&c.conn, MANAGER_PATH, INTROSPECTABLE, "Introspect", &())
+            .await?
+            .body()
+            .deserialize()?;
+        let session_xml: String = call(&c.conn, session, INTROSPECTABLE, "Introspect", &())
+            .await?
+            .body()
+            .deserialize()?;
+        for (path, interface, xml, method, want) in [
+            (
+                MANAGER_PATH,
+                MANAGER_INTERFACE,
+                &manager_xml,
+                "Memory",
+                "(ttta(sttttst)a(osst)a(sut))",
+            ),
+            (
+                MANAGER_PATH,
+                MANAGER_INTERFACE,
+                &manager_xml,
+                "ListModels",
+                "a(sssstb)",
+            ),
+            (session, SESSION_INTERFACE, &session_xml, "Stats", "(suuut)"),
+        ] {
+            assert_eq!(out_signature(xml, method)?, want, "{method} introspected");
+            let reply = call(&c.conn, path, interface, method, &()).await?;
+            assert_eq!(wire_signature(&reply)?, want, "{method} replied");
+        }
+        // A call with more arguments than the method takes gets an error, not an answer.
+        let strict = [
+            (MANAGER_PATH, MANAGER_INTERFACE, "Memory"),
+            (MANAGER_PATH, MANAGER_INTERFACE, "ListModels"),
+            (MANAGER_PATH, MANAGER_INTERFACE, "UnloadModel"),
+            (session, SESSION_INTERFACE, "Stats"),
+            (session, SESSION_INTERFACE, "Cancel"),
+        ];
+        for (path, interface, method) in strict {
+            let r = call(&c.conn, path, interface, method, &("extra", 7u32)).await;
+            assert!(
+                matches!(r, Err(zbus::Error::MethodError(..))),
+                "{method}: {r:?}"
+            );
+        }
+        let r = call(
+            &c.conn,
+            MANAGER_PATH,
+            MANAGER_INTERFACE,
+            "OpenSession",
+            &(MODEL, 64u32, 1u32),
+        );
+        assert!(
+            matches!(r.await, Err(zbus::Error::MethodError(..))),
+            "OpenSession"
+        );
+        // The session survived all of that.
+        let mine =
+            session_proxy(&c.conn, zbus::zvariant::OwnedObjectPath::try_from(session)?).await?;
+        let out = read_stream(mine.generate(STORY_PROMPT, &greedy(2)).await?).await?;
+        assert_eq!(out.ids, STORY_GREEDY[..2]);
+        Ok(())
+    })
+}
+
+/// A chat reply that ends at the model's end-of-turn token reports the token by id, but its
+/// text (and so the history a client keeps) has no `<|im_end|>`.
+#[test]
+fn a_chat_reply_ends_at_its_end_of_turn_without_the_marker_in_its_text() -> anyhow::Result<()> {
+    use leanstream::contract::ChatTurn;
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
+        let c = Client::new(&bus).await?;
+        let s = c.open(256).await?;
+        let mut history = vec![ChatTurn {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        for turn in 0..2 {
+            let out = read_stream(s.generate_chat(&history, &greedy(64)).await?).await?;
+            assert_eq!(done_reason(&out), "eos", "turn {turn}: {:?}", out.text);
+            assert!(
+                !out.text.contains("<|im_end|>"),
+                "turn {turn}: {:?}",
+                out.text
+            );
+            assert!(!out.text.trim().is_empty(), "turn {turn}: an empty reply");
+            assert_eq!(
+                out.tokens.last().map(String::as_str),
+                Some(""),
+                "turn {turn}"
+            );
+            assert_eq!(out.tokens.concat(), out.text);
+            history.push(ChatTurn {
+                role: "assistant".into(),
+                content: out.text,
+            });
+            history.push(ChatTurn {
+                role: "user".into(),
+                content: "Thanks!".into(),
+            });
+        }
         Ok(())
     })
 }
