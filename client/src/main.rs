@@ -77,6 +77,7 @@ fn main() -> ExitCode {
         Command::Convert(args) => offline_exit(offline::convert::run(args)),
         #[cfg(feature = "offline")]
         Command::Bench(args) => offline_exit(offline::bench::run(args)),
+        #[cfg(feature = "offline")]
         Command::Calibrate(args) => offline_exit(offline::calibrate::run(args)),
         #[cfg(feature = "offline")]
         Command::Synth(args) => offline_exit(offline::synth::run(args)),
