@@ -69,6 +69,15 @@ pub struct RawConfig {
     pub engine: RawEngine,
     #[serde(default)]
     pub limits: RawLimits,
+    #[serde(default)]
+    pub access: RawAccess,
+}
+
+/// `[access]`: who may see every client in `Memory()`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAccess {
+    pub admin_group: Option<String>,
 }
 
 /// `[models]`: the directory, and one `[models.NAME]` table per model that overrides the
@@ -127,6 +136,9 @@ pub struct RawLimits {
 
 /// Compute backend actually used (`backend` in `[engine]`, resolved once at start).
 pub use leanstream_engine::backend::select::Backend;
+
+/// The group whose members see every client in `Memory()` when `[access] admin_group` is unset.
+pub const DEFAULT_ADMIN_GROUP: &str = "leanstream-admin";
 
 /// The neuron cache's share of a model's streamed FFN bytes when no key sets it.
 pub const DEFAULT_CACHE_SHARE: f64 = 0.25;
@@ -191,6 +203,10 @@ pub struct Params {
     pub max_tokens: usize,
     /// Longest prompt (or rendered chat) in bytes. Default 64 KiB.
     pub max_prompt_bytes: usize,
+    /// Members of this group (besides root and the daemon's own user) see every client's
+    /// sessions in `Memory()`; everyone else sees their own and a total for the rest. Default
+    /// `leanstream-admin`; an empty string names no group.
+    pub admin_group: Option<String>,
 }
 
 impl Params {
@@ -334,6 +350,11 @@ impl Params {
                 64 << 10,
                 16 << 20,
             )?,
+            admin_group: match raw.access.admin_group {
+                None => Some(DEFAULT_ADMIN_GROUP.to_string()),
+                Some(g) if g.is_empty() => None,
+                Some(g) => Some(g),
+            },
         })
     }
 
@@ -557,6 +578,17 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("models.m.max_bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_admin_group_defaults_to_leanstream_admin_and_empty_names_none() {
+        let p = params("[models]\ndir = \"DIR\"\n").unwrap();
+        assert_eq!(p.admin_group.as_deref(), Some(DEFAULT_ADMIN_GROUP));
+        let p = params("[models]\ndir = \"DIR\"\n[access]\nadmin_group = \"ops\"\n").unwrap();
+        assert_eq!(p.admin_group.as_deref(), Some("ops"));
+        let p = params("[models]\ndir = \"DIR\"\n[access]\nadmin_group = \"\"\n").unwrap();
+        assert_eq!(p.admin_group, None);
+        assert!(params("[models]\ndir = \"DIR\"\n[access]\nadmins = \"x\"\n").is_err());
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! `leanstreamd`: the LeanStream D-Bus service (DESIGN §3, §7, §8).
 //!
-//! Layout: [`config`] (raw config → validated params), [`models`] (names resolve only inside the
+//! Layout: [`config`] (raw config → validated params), [`access`] (who sees what in `Memory()`), [`models`] (names resolve only inside the
 //! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the
 //! state owner needs from it), [`loader`] (a model in the configured mode, with its sparse
 //! pipeline and neuron cache), [`engine`] (the scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
 //! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown). Freed memory is
 //! handed back through [`leanstream_engine::alloc`].
 
+mod access;
 mod arbiter;
 mod config;
 mod daemon;

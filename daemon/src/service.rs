@@ -13,6 +13,7 @@ use zbus::interface;
 use zbus::message::Header;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
+use crate::access;
 use crate::config::Params;
 use crate::engine::{GenSpec, Input};
 use crate::memory::SessionId;
@@ -158,16 +159,25 @@ impl Manager {
         .await
     }
 
-    /// Replies with one struct argument (a 1-tuple: zbus would spread a bare struct's fields
-    /// over as many arguments, unlike the introspected signature). `_header` makes the
-    /// arguments strict (see `list_models`).
+    /// The budget and how it is used: the caller's own sessions in full, other clients as one
+    /// total unless the caller may see everyone ([`crate::access`]). Replies with one struct
+    /// argument (a 1-tuple: zbus would spread a bare struct's fields over as many arguments,
+    /// unlike the introspected signature).
     #[zbus(out_args("report"))]
     async fn memory(
         &self,
-        #[zbus(header)] _header: Header<'_>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(MemoryReport,), LeanStreamError> {
+        let client = caller(&header)?;
+        let everyone =
+            access::sees_everything(conn, &client, self.params.admin_group.as_deref()).await;
         let report = ask(&self.tx, |reply| Request::Memory { reply }).await?;
-        Ok((report,))
+        Ok((if everyone {
+            report
+        } else {
+            access::redact(report, &client)
+        },))
     }
 
     #[zbus(property)]
