@@ -164,6 +164,12 @@ pub struct ModelMemory {
     /// Bytes of dense weights the memory planner reads from storage for every token (a `dense`
     /// model loaded under `max_bytes` that does not fit it whole); 0 when every weight is resident.
     pub streamed_bytes_per_token: u64,
+    /// Seconds since its last session closed, for a model kept loaded without sessions by its
+    /// `keep_alive`; 0 while it has sessions, or is pinned.
+    pub idle_seconds: u64,
+    /// Seconds until it unloads on its own (its `keep_alive` running out); -1 when it will
+    /// not: it has sessions, is pinned (`LoadModel`, `preload`), or has `keep_alive = -1`.
+    pub unload_in_seconds: i64,
 }
 
 /// Memory held by one session (its KV cache and working buffers).

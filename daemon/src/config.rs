@@ -101,6 +101,8 @@ pub struct RawModel {
     pub sparsity: Option<f64>,
     pub cache_share: Option<f64>,
     pub max_bytes: Option<ByteSize>,
+    pub keep_alive: Option<i64>,
+    pub preload: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -121,6 +123,7 @@ pub struct RawEngine {
     pub compute_threads: Option<usize>,
     pub backend: Option<String>,
     pub precision: Option<String>,
+    pub keep_alive: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -164,11 +167,44 @@ pub struct ModelParams {
     /// tokenizer, tables, weight-stream ring). The memory planner keeps what fits and streams
     /// the other weights from storage every token. `None` (default): every weight is read.
     pub max_bytes: Option<u64>,
+    /// How long the model stays loaded once its last session has closed (`keep_alive`).
+    /// A model pinned with `LoadModel` or `preload` stays loaded whatever this says.
+    pub keep_alive: KeepAlive,
+    /// `[models.NAME]` only: load the model when the daemon starts and keep it loaded (as if
+    /// pinned with `LoadModel`). Default false.
+    pub preload: bool,
     /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
     /// `engine.sparsity`, …).
     pub mode_key: String,
     pub sparsity_key: String,
     pub cache_share_key: String,
+}
+
+/// How long an unpinned model stays loaded after its last session closes: the `keep_alive` key,
+/// in seconds, `0` (the default) for "unload at once" and `-1` for "never".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KeepAlive {
+    #[default]
+    UntilLastClose,
+    Idle(std::time::Duration),
+    Forever,
+}
+
+fn parse_keep_alive(key: &str, v: Option<i64>) -> Result<Option<KeepAlive>, ConfigError> {
+    Ok(match v {
+        None => None,
+        Some(0) => Some(KeepAlive::UntilLastClose),
+        Some(-1) => Some(KeepAlive::Forever),
+        Some(n @ 1..=604_800) => Some(KeepAlive::Idle(std::time::Duration::from_secs(n as u64))),
+        Some(n) => {
+            return Err(bad(
+                key,
+                format!(
+                    "{n} is not -1 (never unload), 0 (at the last close) or 1..=604800 seconds"
+                ),
+            ));
+        }
+    })
 }
 
 /// Validated runtime parameters.
@@ -254,6 +290,8 @@ impl Params {
             priority: parse_priority("engine.priority", e.priority.as_deref())?.unwrap_or_default(),
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             max_bytes: None,
+            keep_alive: parse_keep_alive("engine.keep_alive", e.keep_alive)?.unwrap_or_default(),
+            preload: false,
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
             cache_share_key: "engine.cache_share".into(),
@@ -449,6 +487,7 @@ fn model_params(
     let cache_share = check_cache_share(&key("cache_share"), m.cache_share)?;
     let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
     let kv_type = parse_kv_type(&key("kv_type"), m.kv_type.as_deref())?;
+    let keep_alive = parse_keep_alive(&key("keep_alive"), m.keep_alive)?;
     let effective = mode.unwrap_or(engine.mode);
     if sparsity.is_some() && effective == Mode::Dense {
         return Err(bad(
@@ -496,6 +535,8 @@ fn model_params(
         priority: priority.unwrap_or(engine.priority),
         kv_type: kv_type.unwrap_or(engine.kv_type),
         max_bytes: m.max_bytes.map(|b| b.0),
+        keep_alive: keep_alive.unwrap_or(engine.keep_alive),
+        preload: m.preload.unwrap_or(false),
     })
 }
 
@@ -578,6 +619,39 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("models.m.max_bytes"), "{e}");
+    }
+
+    #[test]
+    fn keep_alive_is_seconds_zero_or_minus_one_and_preload_is_per_model() {
+        let p = params(
+            "[models]\ndir = \"DIR\"\n[engine]\nkeep_alive = 300\n\
+             [models.a]\nkeep_alive = -1\npreload = true\n[models.b]\nkeep_alive = 0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            p.model("other").keep_alive,
+            KeepAlive::Idle(std::time::Duration::from_secs(300))
+        );
+        assert_eq!(
+            (p.model("a").keep_alive, p.model("a").preload),
+            (KeepAlive::Forever, true)
+        );
+        assert_eq!(
+            (p.model("b").keep_alive, p.model("b").preload),
+            (KeepAlive::UntilLastClose, false)
+        );
+        let p = params("[models]\ndir = \"DIR\"\n").unwrap();
+        assert_eq!(p.model("x").keep_alive, KeepAlive::UntilLastClose);
+        for bad in [
+            "[engine]\nkeep_alive = -2",
+            "[models.a]\nkeep_alive = 999999999",
+            "[engine]\npreload = true",
+        ] {
+            assert!(
+                params(&format!("[models]\ndir = \"DIR\"\n{bad}\n")).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

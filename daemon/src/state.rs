@@ -20,7 +20,7 @@ use leanstream_engine::model::summarize;
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
-use crate::config::Params;
+use crate::config::{KeepAlive, Params};
 use crate::engine::{EngineCmd, EngineEvent, GenSpec, Input, LoadedModel};
 use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
@@ -93,6 +93,10 @@ pub enum Request {
     Released {
         held: String,
     },
+    /// Internal: model `name`'s `keep_alive` may have run out since its last session closed.
+    IdleCheck {
+        name: String,
+    },
     /// Internal: a model load finished.
     Loaded {
         name: String,
@@ -158,6 +162,8 @@ struct ModelEntry {
     pinned: bool,
     /// Its footprint is reserved in the arbiter (from [`Request::Reserve`] until it unloads).
     reserved: bool,
+    /// When its last session closed, while it waits out its `keep_alive`.
+    idle_since: Option<std::time::Instant>,
 }
 
 #[derive(Debug)]
@@ -249,6 +255,7 @@ impl<M: Memory> State<M> {
             Ok(p) => self.bus = Some(p),
             Err(e) => tracing::error!("no bus driver proxy, clients cannot be checked: {e}"),
         }
+        self.preload().await;
         loop {
             // Engine events first: the engine reports a generation's end before the caller can
             // see it (EOF or an error reply), so a caller's next request never finds the session
@@ -270,6 +277,41 @@ impl<M: Memory> State<M> {
                     }
                 },
             }
+        }
+    }
+
+    /// Starts loading every model configured with `preload = true`, pinned (it stays loaded
+    /// until `UnloadModel`). A model that cannot be found or loaded is logged; the daemon serves
+    /// on without it.
+    async fn preload(&mut self) {
+        let names: Vec<String> = (self.params.models.iter())
+            .filter(|(_, p)| p.preload)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in names {
+            let file = match crate::models::resolve(&self.params.model_dir, &name) {
+                Ok(file) => file,
+                Err(e) => {
+                    tracing::error!("preloading model {name}: {e}");
+                    continue;
+                }
+            };
+            let (reply, outcome) = oneshot::channel();
+            self.load(
+                file,
+                Waiter::Load {
+                    client: String::new(),
+                    reply,
+                },
+            )
+            .await;
+            tokio::spawn(async move {
+                match outcome.await {
+                    Ok(Ok(())) => tracing::info!("model {name} preloaded"),
+                    Ok(Err(e)) => tracing::error!("preloading model {name}: {e}"),
+                    Err(_) => {}
+                }
+            });
         }
     }
 
@@ -418,6 +460,7 @@ impl<M: Memory> State<M> {
                 self.apply_cache_grants();
             }
             Request::Loaded { name, result } => self.loaded(&name, result).await,
+            Request::IdleCheck { name } => self.idle_check(&name),
             Request::Shutdown { .. } => unreachable!("handled in run"),
         }
     }
@@ -559,6 +602,7 @@ impl<M: Memory> State<M> {
                 slot: Slot::Loading(vec![waiter]),
                 pinned: pin,
                 reserved: false,
+                idle_since: None,
             },
         );
         let tx = self.requests.clone();
@@ -848,16 +892,74 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// Unloads a model loaded only for sessions once none is left.
-    fn unload_if_unused(&mut self, name: &str) {
-        let unused = self.models.get(name).is_some_and(|m| {
+    /// Whether model `name` is loaded, not pinned, and has no session.
+    fn unused(&self, name: &str) -> bool {
+        self.models.get(name).is_some_and(|m| {
             !m.pinned
                 && matches!(m.slot, Slot::Ready(_))
                 && !self.sessions.values().any(|s| s.model == name)
-        });
-        if unused {
+        })
+    }
+
+    /// Called when a model may have lost its last session: unloads it at once, or after its
+    /// `keep_alive` of idleness (a timer asks again then), or never.
+    fn unload_if_unused(&mut self, name: &str) {
+        if !self.unused(name) {
+            return;
+        }
+        let keep_alive = self.params.model(name).keep_alive;
+        if keep_alive == KeepAlive::UntilLastClose {
             self.release(name);
             tracing::info!("model {name} unloaded (no sessions left)");
+            return;
+        }
+        if let Some(m) = self.models.get_mut(name) {
+            m.idle_since = Some(std::time::Instant::now());
+        }
+        match keep_alive {
+            KeepAlive::UntilLastClose | KeepAlive::Forever => {}
+            KeepAlive::Idle(after) => {
+                let requests = self.requests.clone();
+                let name = name.to_string();
+                tokio::spawn(async move {
+                    tokio::time::sleep(after).await;
+                    let _ = requests.send(Request::IdleCheck { name }).await;
+                });
+            }
+        }
+    }
+
+    /// How long an unused, unpinned model has been without sessions.
+    fn idle_for(&self, name: &str) -> Option<std::time::Duration> {
+        let since = self.models.get(name)?.idle_since?;
+        self.unused(name).then(|| since.elapsed())
+    }
+
+    /// Seconds until model `name` unloads on its own; -1 when it will not.
+    fn unload_in_seconds(&self, name: &str) -> i64 {
+        match (self.params.model(name).keep_alive, self.idle_for(name)) {
+            (KeepAlive::Idle(after), Some(idle)) => after.saturating_sub(idle).as_secs() as i64,
+            _ => -1,
+        }
+    }
+
+    /// A `keep_alive` timer ran out: unloads the model if it has been unused for that long. A
+    /// session that came and went since restarted the wait (its own timer asks later).
+    fn idle_check(&mut self, name: &str) {
+        let KeepAlive::Idle(after) = self.params.model(name).keep_alive else {
+            return;
+        };
+        let idle_long_enough = self
+            .models
+            .get(name)
+            .and_then(|m| m.idle_since)
+            .is_some_and(|since| since.elapsed() >= after);
+        if idle_long_enough && self.unused(name) {
+            self.release(name);
+            tracing::info!(
+                "model {name} unloaded (idle for {}s, its keep_alive)",
+                after.as_secs()
+            );
         }
     }
 
@@ -1008,6 +1110,8 @@ impl<M: Memory> State<M> {
                         self.params.model(&m.name).mode.name().to_string()
                     },
                     streamed_bytes_per_token: self.streamed_bytes_per_token(&m.name),
+                    idle_seconds: self.idle_for(&m.name).map_or(0, |idle| idle.as_secs()),
+                    unload_in_seconds: self.unload_in_seconds(&m.name),
                 })
                 .collect(),
             sessions: f

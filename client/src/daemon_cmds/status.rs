@@ -42,6 +42,8 @@ pub fn format_status(report: &MemoryReport) -> String {
             ("WANTED", Align::Right),
             ("TOTAL", Align::Right),
             ("READ/TOKEN", Align::Right),
+            ("IDLE", Align::Right),
+            ("UNLOADS IN", Align::Right),
         ],
         report
             .models
@@ -56,6 +58,12 @@ pub fn format_status(report: &MemoryReport) -> String {
                     bytes(m.cache_wanted_bytes),
                     bytes(m.resident_bytes.saturating_add(m.cache_bytes)),
                     bytes(m.streamed_bytes_per_token),
+                    format!("{}s", m.idle_seconds),
+                    if m.unload_in_seconds < 0 {
+                        "-".to_string()
+                    } else {
+                        format!("{}s", m.unload_in_seconds)
+                    },
                 ]
             })
             .collect(),
@@ -173,6 +181,8 @@ mod tests {
                     cache_wanted_bytes: 80 << 20,
                     mode: "leanstream".into(),
                     streamed_bytes_per_token: 0,
+                    idle_seconds: 0,
+                    unload_in_seconds: -1,
                 },
                 ModelMemory {
                     name: "smollm2-small".into(),
@@ -182,6 +192,8 @@ mod tests {
                     cache_wanted_bytes: 0,
                     mode: "dense".into(),
                     streamed_bytes_per_token: 21 << 20,
+                    idle_seconds: 12,
+                    unload_in_seconds: 288,
                 },
             ],
             sessions: vec![
@@ -219,9 +231,9 @@ mod tests {
 budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB; process resident 221.0 MiB
 
 models
-MODEL          MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN
-smollm2        leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B
-smollm2-small  dense        30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB
+MODEL          MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN  IDLE  UNLOADS IN
+smollm2        leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -
+smollm2-small  dense        30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s
 
 sessions
 SESSION     MODEL    CLIENT    MEMORY

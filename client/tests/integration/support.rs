@@ -253,6 +253,8 @@ impl MockManager {
                 cache_wanted_bytes: 3 << 20,
                 mode: "leanstream".into(),
                 streamed_bytes_per_token: 0,
+                idle_seconds: 0,
+                unload_in_seconds: -1,
             }],
             sessions: vec![],
             clients: vec![ClientMemory {

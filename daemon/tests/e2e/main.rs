@@ -10,6 +10,7 @@ use leanstream_e2e::{Bus, Daemon, DaemonConfig};
 
 mod budget;
 mod daemon;
+mod lifetime;
 mod privacy;
 mod soak;
 mod streaming;

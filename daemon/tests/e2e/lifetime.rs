@@ -1,0 +1,107 @@
+//! Model lifetime: `keep_alive` (how long a model without sessions stays loaded) and `preload`
+//! (loaded at start and kept), as `Memory()` and `ListModels` report them.
+
+use std::time::{Duration, Instant};
+
+use leanstream::contract::ModelMemory;
+use leanstream_e2e::*;
+
+/// The model's line in `Memory()`, if it is loaded.
+async fn loaded(c: &Client) -> anyhow::Result<Option<ModelMemory>> {
+    let report = c.manager.memory().await?;
+    Ok(report.models.into_iter().find(|m| m.name == MODEL))
+}
+
+/// Starts a daemon whose `[models.smollm2]` table is `table`.
+async fn daemon_with(bus: &Bus, table: &str) -> anyhow::Result<Daemon> {
+    let cfg = DaemonConfig {
+        extra: format!("[models.{MODEL}]\n{table}\n"),
+        ..DaemonConfig::default()
+    };
+    crate::start_daemon(bus, &cfg).await
+}
+
+/// Opens a session, generates a token and closes it; returns when it closed.
+async fn use_once(c: &Client) -> anyhow::Result<Instant> {
+    let out = generate_once(c, STORY_PROMPT, 1).await?;
+    anyhow::ensure!(out.ids == STORY_GREEDY[..1], "{:?}", out.end);
+    Ok(Instant::now())
+}
+
+#[test]
+fn a_model_stays_loaded_for_its_keep_alive_after_the_last_session_then_unloads()
+-> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let _daemon = daemon_with(&bus, "keep_alive = 2").await?;
+        let c = Client::new(&bus).await?;
+        let closed = use_once(&c).await?;
+        let m = loaded(&c)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("unloaded at the last close despite keep_alive"))?;
+        assert!((0..=2).contains(&m.unload_in_seconds), "{m:?}");
+        // A session in the meantime restarts the wait.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let closed = closed.max(use_once(&c).await?);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while loaded(&c).await?.is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "still loaded 15 s after its keep_alive"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let idle = closed.elapsed();
+        assert!(
+            idle >= Duration::from_millis(1900),
+            "unloaded after {idle:?} idle"
+        );
+        // And it loads again on demand.
+        use_once(&c).await?;
+        Ok(())
+    })
+}
+
+#[test]
+fn keep_alive_minus_one_keeps_a_model_and_preload_loads_it_at_start() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        let daemon = daemon_with(&bus, "keep_alive = -1").await?;
+        let c = Client::new(&bus).await?;
+        use_once(&c).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let m = loaded(&c)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("keep_alive = -1 unloaded the model"))?;
+        assert_eq!(m.unload_in_seconds, -1, "{m:?}");
+        assert!(m.idle_seconds >= 1, "{m:?}");
+        drop(c);
+        drop(daemon);
+
+        let bus = Bus::start()?;
+        let _daemon = daemon_with(&bus, "preload = true").await?;
+        let c = Client::new(&bus).await?;
+        // Nobody asked for it: it is loading or loaded from the start.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !c
+            .manager
+            .list_models()
+            .await?
+            .iter()
+            .any(|m| m.name == MODEL && m.loaded)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the preloaded model never loaded"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Pinned: a session coming and going does not unload it.
+        use_once(&c).await?;
+        let m = loaded(&c)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("a preloaded model unloaded"))?;
+        assert_eq!(m.unload_in_seconds, -1, "{m:?}");
+        Ok(())
+    })
+}
