@@ -8,8 +8,9 @@
 //!
 //! - **Hard reservations**, never taken back by the arbiter: each loaded model's resident weights
 //!   plus its *minimum* neuron cache, and each session's bytes (its KV cache, grown one block of
-//!   tokens at a time as it is used, plus working buffers). A request is admitted only if all hard reservations, its own included, fit
-//!   in the budget; otherwise it is refused with [`ArbiterError::OverBudget`] and nothing changes.
+//!   tokens at a time as it is used, plus working buffers). A request is admitted only if all
+//!   hard reservations, its own included, fit in the budget; otherwise it is refused with
+//!   [`ArbiterError::OverBudget`] and nothing changes.
 //!   The arbiter never evicts a session or unloads a model to make room: it refuses the newcomer.
 //!   So a running session — whatever its priority — is never hurt by a later one.
 //! - **Elastic neuron caches**: every byte not hard-reserved is handed to the models' caches,

@@ -523,8 +523,8 @@ fn replies_have_the_introspected_signatures_and_argument_lists_are_strict() -> a
         let bus = Bus::start()?;
         let _daemon = crate::start_daemon(&bus, &DaemonConfig::default()).await?;
         let c = Client::new(&bus).await?;
-        let session = c.manager.open_session(MODEL, 64).await?;
-        let session = session.as_str();
+        let session_path = c.manager.open_session(MODEL, 64).await?;
+        let session = session_path.as_str();
         let manager_xml: String = call(&c.conn, MANAGER_PATH, INTROSPECTABLE, "Introspect", &())
             .await?
             .body()
@@ -581,8 +581,7 @@ fn replies_have_the_introspected_signatures_and_argument_lists_are_strict() -> a
             "OpenSession"
         );
         // The session survived all of that.
-        let mine =
-            session_proxy(&c.conn, zbus::zvariant::OwnedObjectPath::try_from(session)?).await?;
+        let mine = session_proxy(&c.conn, session_path.clone()).await?;
         let out = read_stream(mine.generate(STORY_PROMPT, &greedy(2)).await?).await?;
         assert_eq!(out.ids, STORY_GREEDY[..2]);
         Ok(())
