@@ -4,13 +4,16 @@
 //!
 //! They need a GPU and its driver; without one every test prints that it is skipped and why,
 //! and passes. Run them with `cargo test -p leanstream-engine --features cuda --test
-//! cuda_conformance` (`cuda-kernels/gpu-check` does, on a GPU machine).
+//! cuda_conformance` (`cuda-kernels/gpu-check` does, on a GPU machine with Rust), or through
+//! `scripts/device-check`, whose prebuilt binary runs the oracles on a generated model with
+//! SmolLM2's shapes (`$LEANSTREAM_CUDA_ORACLE_LSM`) where the real file cannot travel.
 
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use leanstream_engine::backend::cpu::Precision;
@@ -33,6 +36,13 @@ fn gpu(test: &str) -> Option<CudaBackend> {
 
 mod kernels {
     leanstream_engine::conformance_tests!(super::gpu);
+}
+
+/// The oracles' model: `$LEANSTREAM_CUDA_ORACLE_LSM`, else the real model as `.lsm`.
+fn oracle_lsm() -> PathBuf {
+    std::env::var_os("LEANSTREAM_CUDA_ORACLE_LSM")
+        .map(PathBuf::from)
+        .unwrap_or_else(common::real_lsm)
 }
 
 const PROMPT: &[u32] = common::FIXTURE[0].prompt_ids;
@@ -59,7 +69,7 @@ fn cpu_ids(sm: &SparseModel) -> Vec<u32> {
 #[test]
 fn dense_greedy_ids_on_the_real_model_equal_the_cpu() {
     let Some(g) = gpu("dense oracle") else { return };
-    let sm = SparseModel::open(&common::real_lsm(), false).unwrap();
+    let sm = SparseModel::open(&oracle_lsm(), false).unwrap();
     let want = cpu_ids(&sm);
     let model = Arc::new(CudaModel::new(Arc::new(g), Arc::clone(&sm.model), true).unwrap());
     let mut s = CudaSession::new(Arc::clone(&model), 128).unwrap();
@@ -78,7 +88,7 @@ fn streaming_modes_on_the_gpu_equal_the_cpu_with_sparsity_off() {
         return;
     };
     let g = Arc::new(g);
-    let sm = Arc::new(SparseModel::open(&common::real_lsm(), false).unwrap());
+    let sm = Arc::new(SparseModel::open(&oracle_lsm(), false).unwrap());
     let want = cpu_ids(&sm);
     let model = Arc::new(CudaModel::new(Arc::clone(&g), Arc::clone(&sm.model), false).unwrap());
     // A quarter of the FFN: chunks are evicted and read (and copied to the device) again.

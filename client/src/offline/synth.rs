@@ -21,6 +21,9 @@ pub enum Shape {
     /// down columns).
     #[value(name = "llama-7b")]
     Llama7b,
+    /// SmolLM2-135M: 30 layers, d 576, FFN 1536, 9 heads / 3 KV heads, vocabulary 49152.
+    #[value(name = "smollm2-135m")]
+    Smollm2,
     /// 2 layers, d 128, FFN 512: for tests.
     Tiny,
 }
@@ -48,8 +51,12 @@ pub struct SynthArgs {
     #[arg(long, value_enum, default_value = "llama-7b")]
     pub shape: Shape,
     /// Output `.lsm` path.
-    #[arg(short = 'o', long = "output")]
-    pub dst: PathBuf,
+    #[arg(
+        short = 'o',
+        long = "output",
+        required_unless_present = "save_tokenizer"
+    )]
+    pub dst: Option<PathBuf>,
     /// Seed of every random value.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -76,22 +83,37 @@ pub struct SynthArgs {
     #[arg(long, value_enum, default_value = "q8_0")]
     pub down_type: DownType,
     /// A GGUF or `.lsm` model whose tokenizer (and chat template) to borrow, cut to the shape's
-    /// vocabulary (default for llama-7b: SmolLM2's, from models/; the tiny shape has its own).
+    /// vocabulary, or a `.json` file written by `--save-tokenizer` (default for llama-7b and
+    /// smollm2-135m: SmolLM2's, from models/; the tiny shape has its own).
     #[arg(long)]
     pub tokenizer_from: Option<PathBuf>,
+    /// Write the borrowed tokenizer to this JSON file (a few MiB, for `--tokenizer-from` on a
+    /// machine without the donor model) instead of a model.
+    #[arg(long, conflicts_with = "dst")]
+    pub save_tokenizer: Option<PathBuf>,
 }
 
 fn donor(args: &SynthArgs) -> anyhow::Result<SynthTokenizer> {
     let path = match (&args.tokenizer_from, args.shape) {
         (Some(p), _) => p.clone(),
         (None, Shape::Tiny) => return Ok(SynthTokenizer::tiny()),
-        (None, Shape::Llama7b) => PathBuf::from(DEFAULT_DONOR),
+        (None, Shape::Llama7b | Shape::Smollm2) => PathBuf::from(DEFAULT_DONOR),
     };
     if !path.is_file() {
         anyhow::bail!(
             "no tokenizer donor at {} (run scripts/fetch-model, or pass --tokenizer-from MODEL)",
             path.display()
         );
+    }
+    if path.extension().is_some_and(|e| e == "json") {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        return serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a tokenizer saved by --save-tokenizer",
+                path.display()
+            )
+        });
     }
     let (_, tokenizer, template) = leanstream_engine::model::load(&path)
         .with_context(|| format!("reading the tokenizer of {}", path.display()))?;
@@ -104,8 +126,24 @@ fn donor(args: &SynthArgs) -> anyhow::Result<SynthTokenizer> {
 }
 
 pub fn run(args: SynthArgs) -> anyhow::Result<()> {
+    let tokenizer = donor(&args)?;
+    if let Some(path) = &args.save_tokenizer {
+        let json = serde_json::to_string(&tokenizer)?;
+        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+        println!(
+            "wrote the tokenizer of {} to {} ({:.1} MiB)",
+            tokenizer.source,
+            path.display(),
+            json.len() as f64 / (1 << 20) as f64
+        );
+        return Ok(());
+    }
+    let Some(dst) = &args.dst else {
+        anyhow::bail!("synth needs --output (or --save-tokenizer)");
+    };
     let shape = match args.shape {
         Shape::Llama7b => SynthShape::LLAMA_7B,
+        Shape::Smollm2 => SynthShape::SMOLLM2_135M,
         Shape::Tiny => SynthShape::TINY,
     };
     let mut opts = SynthOptions::new(shape);
@@ -124,7 +162,6 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         DownType::F16 => DType::F16,
         DownType::Q4_0 => DType::Q4_0,
     };
-    let tokenizer = donor(&args)?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template(
             "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {elapsed}, eta {eta})",
@@ -134,7 +171,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     );
     bar.set_message("writing synthetic weights");
     let t = Instant::now();
-    let report = synth::synthesize(&args.dst, &opts, &tokenizer, &mut |done, total| {
+    let report = synth::synthesize(dst, &opts, &tokenizer, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;
@@ -143,7 +180,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     println!(
         "wrote {} in {:.0} s: {:.1} MiB (resident {:.1} MiB, streamed {:.1} MiB in {} B chunks, \
          calibration {:.1} MiB)",
-        args.dst.display(),
+        dst.display(),
         t.elapsed().as_secs_f64(),
         mib(report.file_bytes),
         mib(report.resident_bytes),

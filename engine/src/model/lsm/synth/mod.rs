@@ -87,6 +87,18 @@ impl SynthShape {
         vocab_size: 32000,
         context_length: 4096,
     };
+    /// SmolLM2-135M: 30 layers, d 576, FFN 1536, 9 heads / 3 KV heads, vocabulary 49152 (the
+    /// GPU device check generates it where the real file cannot travel).
+    pub const SMOLLM2_135M: SynthShape = SynthShape {
+        name: "smollm2-135m",
+        n_layers: 30,
+        d_model: 576,
+        n_ff: 1536,
+        n_heads: 9,
+        n_kv_heads: 3,
+        vocab_size: 49152,
+        context_length: 2048,
+    };
     /// For tests: 2 layers, d 128, FFN 512, 4 heads / 2 KV heads, the 128-token tiny vocabulary.
     pub const TINY: SynthShape = SynthShape {
         name: "tiny",
@@ -99,7 +111,11 @@ impl SynthShape {
         context_length: 256,
     };
     /// Every shape, by name.
-    pub const ALL: [SynthShape; 2] = [SynthShape::LLAMA_7B, SynthShape::TINY];
+    pub const ALL: [SynthShape; 3] = [
+        SynthShape::LLAMA_7B,
+        SynthShape::SMOLLM2_135M,
+        SynthShape::TINY,
+    ];
 
     /// The shape called `name`.
     pub fn by_name(name: &str) -> Option<SynthShape> {
@@ -160,7 +176,7 @@ pub struct SynthOptions {
 impl SynthOptions {
     /// Defaults for `shape` (rank 16 and 8-neuron chunks for the tiny shape).
     pub fn new(shape: SynthShape) -> SynthOptions {
-        let tiny = shape.d_model < 1024;
+        let tiny = shape == SynthShape::TINY;
         SynthOptions {
             shape,
             seed: 0,

@@ -2,14 +2,16 @@
 //! vocabulary) and, when the donor's vocabulary is larger than the shape's, cut down to the
 //! shape's size.
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::model::gguf::writer::TinyLlama;
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
 
-/// A tokenizer for a synthetic model, as the `.lsm` header stores it.
-#[derive(Clone, Debug)]
+/// A tokenizer for a synthetic model, as the `.lsm` header stores it. It serialises (JSON) so
+/// that it can travel without its donor model (`leanstream synth --save-tokenizer`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SynthTokenizer {
     /// `tokenizer.json` text.
     pub json: String,
