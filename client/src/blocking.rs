@@ -45,6 +45,11 @@ impl Client {
         self.rt.block_on(self.inner.load(name))
     }
 
+    pub fn load_for(&self, name: &str, keep_alive_seconds: i64) -> Result<()> {
+        self.rt
+            .block_on(self.inner.load_for(name, keep_alive_seconds))
+    }
+
     pub fn unload(&self, name: &str) -> Result<()> {
         self.rt.block_on(self.inner.unload(name))
     }

@@ -45,9 +45,18 @@ impl Client {
         Ok(self.manager.list_models().await?)
     }
 
-    /// Loads a model by name (idempotent).
+    /// Loads a model by name and pins it (idempotent).
     pub async fn load(&self, name: &str) -> Result<()> {
         Ok(self.manager.load_model(name).await?)
+    }
+
+    /// Loads a model by name for `keep_alive_seconds` without sessions instead of pinning it
+    /// (see [`crate::contract::ManagerProxy::load_model_for`]).
+    pub async fn load_for(&self, name: &str, keep_alive_seconds: i64) -> Result<()> {
+        Ok(self
+            .manager
+            .load_model_for(name, keep_alive_seconds)
+            .await?)
     }
 
     /// Unloads a model; `Busy` while it has sessions.

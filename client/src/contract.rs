@@ -1,5 +1,6 @@
-//! The D-Bus contract of `leanstreamd` (DESIGN §8): names, wire types, error names, proxies, and
-//! the token-stream protocol. The daemon implements exactly this; apps link it through this crate.
+//! The D-Bus contract of `leanstreamd` (docs/architecture.md §4, docs/clients.md): names, wire
+//! types, error names, proxies, and the token-stream protocol. The daemon implements exactly
+//! this; apps link it through this crate.
 //!
 //! Token privacy: `Generate` returns the read end of a pipe (a Unix fd passed in the reply). Only
 //! the caller receives the fd, so no other connection — not even a monitor on a session bus — can
@@ -104,7 +105,16 @@ pub struct GenerateParams {
     pub seed: u64,
     /// Generation stops after any of these strings appears in the output.
     pub stop: Vec<String>,
+    /// What `grammar` holds: `""` (no constraint), or one of [`GRAMMAR_KINDS`].
+    pub grammar_kind: String,
+    /// A JSON Schema, a Lark grammar or a regex the whole output must match: generation is
+    /// constrained token by token, so the text parses (and validates) when it ends at `eos`.
+    pub grammar: String,
 }
+
+/// The values of [`GenerateParams::grammar_kind`] that constrain a generation: a JSON Schema
+/// (the JSON text), a grammar in llguidance's Lark dialect, or a regex in Rust `regex` syntax.
+pub const GRAMMAR_KINDS: [&str; 3] = ["json_schema", "lark", "regex"];
 
 impl Default for GenerateParams {
     fn default() -> Self {
@@ -116,6 +126,8 @@ impl Default for GenerateParams {
             repetition_penalty: 1.0,
             seed: 0,
             stop: Vec::new(),
+            grammar_kind: String::new(),
+            grammar: String::new(),
         }
     }
 }
@@ -134,6 +146,35 @@ impl GenerateParams {
             seed: self.seed,
             ..Default::default()
         }
+    }
+
+    /// The constraint these parameters ask for, with the engine's name for its kind; `None`
+    /// when `grammar_kind` is empty. Errors name the accepted kinds, or say that a kind came
+    /// without a grammar.
+    pub fn grammar(
+        &self,
+    ) -> Result<Option<(leanstream_engine::constrain::GrammarKind, &str)>, String> {
+        use leanstream_engine::constrain::GrammarKind;
+        let kind = match self.grammar_kind.as_str() {
+            "" if self.grammar.is_empty() => return Ok(None),
+            "" => return Err("grammar is set but grammar_kind is empty".into()),
+            "json_schema" => GrammarKind::JsonSchema,
+            "lark" => GrammarKind::Lark,
+            "regex" => GrammarKind::Regex,
+            other => {
+                return Err(format!(
+                    "grammar_kind {other:?} is not one of {}",
+                    GRAMMAR_KINDS.join(", ")
+                ));
+            }
+        };
+        if self.grammar.is_empty() {
+            return Err(format!(
+                "grammar_kind is {:?} but grammar is empty",
+                self.grammar_kind
+            ));
+        }
+        Ok(Some((kind, self.grammar.as_str())))
     }
 }
 
@@ -244,8 +285,12 @@ pub enum StreamEvent {
 pub trait Manager {
     /// Models in the model directory.
     fn list_models(&self) -> zbus::Result<Vec<ModelInfo>>;
-    /// Loads a model by name (idempotent).
+    /// Loads a model by name and pins it until `UnloadModel` (idempotent).
     fn load_model(&self, name: &str) -> zbus::Result<()>;
+    /// Loads a model by name without pinning it: it stays loaded `keep_alive_seconds`
+    /// (1..=604800) after its last session closes, or after this call when it has none, unless
+    /// its configuration keeps it longer; `-1` pins it like `load_model`.
+    fn load_model_for(&self, name: &str, keep_alive_seconds: i64) -> zbus::Result<()>;
     /// Unloads a model; fails with `Busy` while it has sessions.
     fn unload_model(&self, name: &str) -> zbus::Result<()>;
     /// Opens a session on a model (loading it if needed) with room for `context_tokens` tokens

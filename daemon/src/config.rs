@@ -181,8 +181,9 @@ pub struct ModelParams {
 }
 
 /// How long an unpinned model stays loaded after its last session closes: the `keep_alive` key,
-/// in seconds, `0` (the default) for "unload at once" and `-1` for "never".
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// in seconds, `0` (the default) for "unload at once" and `-1` for "never". The variants are in
+/// order of length, so `max` is the longer of two.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub enum KeepAlive {
     #[default]
     UntilLastClose,
@@ -190,21 +191,30 @@ pub enum KeepAlive {
     Forever,
 }
 
-fn parse_keep_alive(key: &str, v: Option<i64>) -> Result<Option<KeepAlive>, ConfigError> {
-    Ok(match v {
-        None => None,
-        Some(0) => Some(KeepAlive::UntilLastClose),
-        Some(-1) => Some(KeepAlive::Forever),
-        Some(n @ 1..=604_800) => Some(KeepAlive::Idle(std::time::Duration::from_secs(n as u64))),
-        Some(n) => {
-            return Err(bad(
-                key,
-                format!(
-                    "{n} is not -1 (never unload), 0 (at the last close) or 1..=604800 seconds"
-                ),
-            ));
+impl KeepAlive {
+    /// The longest `Idle` a configuration or a client may ask for: one week.
+    pub const MAX_IDLE_SECONDS: i64 = 604_800;
+
+    /// `-1` never, `0` at the last close, `1..=MAX_IDLE_SECONDS` seconds; else the reason.
+    pub fn from_seconds(n: i64) -> Result<KeepAlive, String> {
+        match n {
+            0 => Ok(KeepAlive::UntilLastClose),
+            -1 => Ok(KeepAlive::Forever),
+            1..=KeepAlive::MAX_IDLE_SECONDS => {
+                Ok(KeepAlive::Idle(std::time::Duration::from_secs(n as u64)))
+            }
+            _ => Err(format!(
+                "{n} is not -1 (never unload), 0 (at the last close) or 1..={} seconds",
+                KeepAlive::MAX_IDLE_SECONDS
+            )),
         }
-    })
+    }
+}
+
+fn parse_keep_alive(key: &str, v: Option<i64>) -> Result<Option<KeepAlive>, ConfigError> {
+    v.map(KeepAlive::from_seconds)
+        .transpose()
+        .map_err(|reason| bad(key, reason))
 }
 
 /// Validated runtime parameters.

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
 use leanstream_engine::chat::ChatMessage;
+use leanstream_engine::constrain::{Constraint, GrammarKind};
 use leanstream_engine::generate::Decode;
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
@@ -48,6 +49,8 @@ pub struct GenSpec {
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
+    /// A grammar the output must match, compiled when the generation starts.
+    pub grammar: Option<(GrammarKind, String)>,
 }
 
 /// Commands to the scheduler thread.
@@ -93,6 +96,9 @@ pub enum EngineEvent {
 pub trait SessionBudget: Send {
     /// Sets session `id`'s reservation to `bytes`; `OverBudget` when that does not fit.
     fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError>;
+    /// Adds `bytes` to model `name`'s reservation for the rest of its life; `OverBudget`
+    /// when that does not fit.
+    fn grow_model(&self, name: &str, bytes: u64) -> Result<(), LeanStreamError>;
 }
 
 /// Handle of the scheduler thread.
@@ -176,6 +182,8 @@ struct Generation {
     prompt: Vec<u32>,
     phase: Phase,
     sampler: Sampler,
+    /// The grammar's parser state, when the request carried one.
+    constraint: Option<Constraint>,
     spec: GenSpec,
     /// Tokens the repetition penalty sees: the prompt, then the generated ids.
     history: Vec<u32>,
@@ -380,6 +388,14 @@ impl Scheduler {
         let vocab = s.model.model.weights.config.vocab_size;
         let sampler = Sampler::new(spec.sampler.clone(), vocab)
             .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+        let constraint = match &spec.grammar {
+            Some((kind, text)) => {
+                let budget = self.budget.as_ref();
+                let reserve = |bytes| budget.grow_model(&s.model.name, bytes);
+                Some(s.model.grammar(*kind, text, reserve)?.start())
+            }
+            None => None,
+        };
         // Reuse the KV cache when the new prompt extends what the session has seen.
         let max = s.session.max_context();
         let reuse = s.seen.len() < ids.len() && ids.starts_with(&s.seen);
@@ -399,6 +415,7 @@ impl Scheduler {
             prompt: suffix,
             phase: Phase::Prefill { fed: 0 },
             sampler,
+            constraint,
             history: ids.clone(),
             generated: Vec::with_capacity(spec.max_tokens),
             text: String::new(),
@@ -561,6 +578,10 @@ fn advance(
             tracing::info!("session {}: generation ended: {e}", room.id);
             end_with_error(g, "OverBudget", &e.to_string());
         }
+        Err(Failure::Engine(e @ leanstream_engine::Error::Constraint(_))) => {
+            tracing::info!("session {}: generation ended by its grammar: {e}", room.id);
+            end_with_error(g, "InvalidArgument", &e.to_string());
+        }
         Err(Failure::Engine(e)) => {
             tracing::error!("generation failed: {e}");
             end_with_error(g, "Internal", &e.to_string());
@@ -629,6 +650,18 @@ fn forward<'s>(
     })
 }
 
+/// Samples the next token; a grammar masks what it does not allow first, then follows the pick.
+fn pick(g: &mut Generation, logits: &mut [f32]) -> leanstream_engine::Result<u32> {
+    if let Some(c) = &mut g.constraint {
+        c.mask(logits)?;
+    }
+    let next = g.sampler.sample(logits, &g.history);
+    if let Some(c) = &mut g.constraint {
+        c.advance(next)?;
+    }
+    Ok(next)
+}
+
 fn compute(
     model: &LoadedModel,
     session: &mut dyn Decode,
@@ -644,7 +677,7 @@ fn compute(
             if fed + 1 < g.prompt.len() {
                 g.phase = Phase::Prefill { fed: fed + 1 };
             } else {
-                let next = g.sampler.sample(logits, &g.history);
+                let next = pick(g, logits)?;
                 g.prefill = g.started.elapsed();
                 g.decode_start = Some(Instant::now());
                 g.phase = Phase::Decode { next };
@@ -680,7 +713,7 @@ fn compute(
             } else {
                 let logits = forward(model, session, next, room)?;
                 seen.push(next);
-                let sampled = g.sampler.sample(logits, &g.history);
+                let sampled = pick(g, logits)?;
                 g.phase = Phase::Decode { next: sampled };
             }
         }
@@ -733,6 +766,10 @@ mod tests {
                 )))
             }
         }
+
+        fn grow_model(&self, _name: &str, _bytes: u64) -> Result<(), LeanStreamError> {
+            Ok(())
+        }
     }
 
     fn load(fx: &Fixture, file: &ModelFile, toml: &str) -> LoadedModel {
@@ -783,6 +820,7 @@ mod tests {
             max_tokens: TOKENS,
             sampler: SamplerConfig::default(),
             stop: Vec::new(),
+            grammar: None,
         };
         let input = Input::Text(prompt.to_string());
         let cmd = EngineCmd::Generate {

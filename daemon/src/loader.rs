@@ -1,19 +1,22 @@
 //! Loading a model the way the config says (`[engine]` and `[models.NAME]`: mode, sparsity,
-//! cache share): the dense forward pass, or a sparse pipeline over a `.lsm` file (DESIGN §6) with
-//! its neuron cache. One [`Executor`] per loaded model holds the cache and the I/O threads and is
-//! shared by every session on the model (DESIGN §7); each session keeps its own KV cache.
+//! cache share): the dense forward pass, or a sparse pipeline over a `.lsm` file (README,
+//! "Sparse streaming") with its neuron cache. One [`Executor`] per loaded model holds the cache
+//! and the I/O threads and is shared by every session on the model (docs/architecture.md §3);
+//! each session keeps its own KV cache.
 //!
 //! Memory is reserved before anything large is read or allocated: [`Footprint::of`] reads only
 //! the file's header, the state owner reserves the footprint in the arbiter, and only then does
 //! [`LoadedModel::load`] map the weights and allocate the cache.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use leanstream::contract::LeanStreamError;
 use leanstream_engine::backend::cpu::Precision;
 #[cfg(feature = "cuda")]
 use leanstream_engine::backend::cuda::CudaModel;
+use leanstream_engine::bench::process::rss_bytes;
 use leanstream_engine::chat::ChatTemplate;
+use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::Decode;
 use leanstream_engine::kv::KvType;
@@ -158,9 +161,54 @@ pub struct LoadedModel {
     /// mode; the pipeline's chunk computations run there too.
     #[cfg(feature = "cuda")]
     pub gpu: Option<Arc<leanstream_engine::backend::cuda::CudaModel>>,
+    /// The vocabulary as the grammar parser walks it (a token trie), built on the first
+    /// constrained generation and shared by every later one.
+    constraint_vocab: OnceLock<Arc<ConstraintVocab>>,
 }
 
 impl LoadedModel {
+    /// Compiles a grammar the output of a generation on this model must match. The first call
+    /// builds the model's token trie (15 MiB for SmolLM2's 49k tokens, 39 MiB for Gemma 3's
+    /// 262k) and asks `reserve` for what it took, for the model's lifetime: the growth of the
+    /// process's resident memory while it was built (on the scheduler thread; other threads
+    /// rarely allocate meanwhile, so the figure is close, not exact). When `reserve` refuses,
+    /// the trie is dropped and its error returned.
+    pub fn grammar(
+        &self,
+        kind: GrammarKind,
+        text: &str,
+        reserve: impl FnOnce(u64) -> Result<(), LeanStreamError>,
+    ) -> Result<Grammar, LeanStreamError> {
+        let vocab = match self.constraint_vocab.get() {
+            Some(v) => v,
+            None => {
+                let before = rss_bytes();
+                let built = ConstraintVocab::new(&self.model.tokenizer)
+                    .map_err(|e| LeanStreamError::Internal(e.to_string()))?;
+                let bytes = rss_bytes().saturating_sub(before);
+                reserve(bytes).map_err(|e| match e {
+                    LeanStreamError::OverBudget(m) => LeanStreamError::OverBudget(format!(
+                        "the grammar parser's token trie for model {}: {m}",
+                        self.name
+                    )),
+                    other => other,
+                })?;
+                tracing::info!(
+                    "model {}: grammar token trie built, {} KiB reserved",
+                    self.name,
+                    bytes / 1024
+                );
+                self.constraint_vocab.get_or_init(|| built)
+            }
+        };
+        let grammar = match kind {
+            GrammarKind::JsonSchema => Grammar::json_schema(vocab, text),
+            GrammarKind::Lark => Grammar::lark(vocab, text),
+            GrammarKind::Regex => Grammar::regex(vocab, text),
+        };
+        grammar.map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
+    }
+
     /// Resizes the neuron cache to `bytes` (rounded down to whole chunks by the engine) and
     /// returns the size it holds now; `None` for a model without a cache. Blocks while the
     /// scheduler runs a forward pass of this model (the executor is locked for one pass).
@@ -309,6 +357,7 @@ impl LoadedModel {
             ffn,
             #[cfg(feature = "cuda")]
             gpu,
+            constraint_vocab: OnceLock::new(),
         })
     }
 }

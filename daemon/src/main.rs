@@ -1,4 +1,4 @@
-//! `leanstreamd`: the LeanStream D-Bus service (DESIGN §3, §7, §8).
+//! `leanstreamd`: the LeanStream D-Bus service (docs/architecture.md).
 //!
 //! Layout: [`config`] (raw config → validated params), [`access`] (who sees what in `Memory()`), [`models`] (names resolve only inside the
 //! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the

@@ -58,6 +58,9 @@ pub trait Memory {
         cache_floor: u64,
         cache_wanted: u64,
     ) -> Result<(), OverBudget>;
+    /// Adds `bytes` to a loaded model's resident reservation, for something built after the
+    /// load that lives as long as the model.
+    fn grow_model(&mut self, name: &str, bytes: u64) -> Result<(), OverBudget>;
     /// Releases a model; its sessions must be closed first.
     fn unload_model(&mut self, name: &str);
     /// Reserves what a new session holds at open on an accounted model; `priority` orders the
@@ -93,6 +96,10 @@ impl Memory for Arbiter {
         }
         Arbiter::load_model(self, name, resident_bytes, cache_floor, cache_wanted)
             .map_err(over_budget)
+    }
+
+    fn grow_model(&mut self, name: &str, bytes: u64) -> Result<(), OverBudget> {
+        Arbiter::grow_resident(self, name, bytes).map_err(over_budget)
     }
 
     fn unload_model(&mut self, name: &str) {

@@ -14,7 +14,7 @@ use zbus::message::Header;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::access;
-use crate::config::Params;
+use crate::config::{KeepAlive, Params};
 use crate::engine::{GenSpec, Input};
 use crate::memory::SessionId;
 use crate::models::{self, ModelFile};
@@ -25,6 +25,8 @@ const MAX_STOP_STRINGS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
 /// Most chat turns per request.
 const MAX_TURNS: usize = 1024;
+/// The longest JSON Schema, grammar or regex a request may carry (it is compiled per request).
+const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
 
 /// The caller's unique name.
 fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
@@ -73,10 +75,18 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
     sampler
         .validate()
         .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+    let grammar = p.grammar().map_err(LeanStreamError::InvalidArgument)?;
+    if p.grammar.len() > MAX_GRAMMAR_BYTES {
+        return invalid(format!(
+            "the grammar is {} bytes; at most {MAX_GRAMMAR_BYTES}",
+            p.grammar.len()
+        ));
+    }
     Ok(GenSpec {
         max_tokens,
         sampler,
         stop: p.stop.clone(),
+        grammar: grammar.map(|(kind, text)| (kind, text.to_string())),
     })
 }
 
@@ -124,6 +134,39 @@ impl Manager {
         ask(&self.tx, |reply| Request::LoadModel {
             file,
             client,
+            keep_alive: None,
+            reply,
+        })
+        .await
+    }
+
+    /// Loads a model with a lifetime instead of a pin: it stays loaded while it has sessions
+    /// and `keep_alive_seconds` after the last one closes (or after this call, when it has
+    /// none), or longer if its configuration says so; `-1` pins it as `LoadModel` does.
+    async fn load_model_for(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        name: &str,
+        keep_alive_seconds: i64,
+    ) -> Result<(), LeanStreamError> {
+        let keep_alive = match KeepAlive::from_seconds(keep_alive_seconds) {
+            Ok(KeepAlive::UntilLastClose) => {
+                return Err(LeanStreamError::InvalidArgument(
+                    "keep_alive_seconds 0 would unload the model at once: \
+                     open a session instead"
+                        .into(),
+                ));
+            }
+            Ok(KeepAlive::Forever) => None,
+            Ok(k) => Some(k),
+            Err(reason) => return Err(LeanStreamError::InvalidArgument(reason)),
+        };
+        let client = caller(&header)?;
+        let file = resolve(&self.params, name).await?;
+        ask(&self.tx, |reply| Request::LoadModel {
+            file,
+            client,
+            keep_alive,
             reply,
         })
         .await

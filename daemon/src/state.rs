@@ -34,9 +34,12 @@ pub enum Request {
     ListModels {
         reply: Reply<Vec<ModelInfo>>,
     },
+    /// Loads a model; `keep_alive: None` pins it (`LoadModel`), `Some` gives it at least that
+    /// lifetime without sessions, counted from now (`LoadModelFor`).
     LoadModel {
         file: ModelFile,
         client: String,
+        keep_alive: Option<KeepAlive>,
         reply: Reply<()>,
     },
     UnloadModel {
@@ -88,6 +91,13 @@ pub enum Request {
         bytes: u64,
         reply: oneshot::Sender<Result<(), LeanStreamError>>,
     },
+    /// From the scheduler thread: model `name` keeps `bytes` more for its lifetime (the
+    /// grammar parser's token trie, built on its first constrained generation).
+    GrowModel {
+        name: String,
+        bytes: u64,
+        reply: oneshot::Sender<Result<(), LeanStreamError>>,
+    },
     /// Internal: a released model's memory has been handed back: its placeholder reservation
     /// (`held`, see [`State::release`]) ends and caches may grow into it.
     Released {
@@ -134,12 +144,23 @@ impl crate::engine::SessionBudget for Budget {
             .map_err(|_| gone())?;
         rx.blocking_recv().map_err(|_| gone())?
     }
+
+    fn grow_model(&self, name: &str, bytes: u64) -> Result<(), LeanStreamError> {
+        let (reply, rx) = oneshot::channel();
+        let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
+        let name = name.to_string();
+        self.0
+            .blocking_send(Request::GrowModel { name, bytes, reply })
+            .map_err(|_| gone())?;
+        rx.blocking_recv().map_err(|_| gone())?
+    }
 }
 
 #[derive(Debug)]
 enum Waiter {
     Load {
         client: String,
+        keep_alive: Option<KeepAlive>,
         reply: Reply<()>,
     },
     Open {
@@ -164,6 +185,9 @@ struct ModelEntry {
     reserved: bool,
     /// When its last session closed, while it waits out its `keep_alive`.
     idle_since: Option<std::time::Instant>,
+    /// The longest lifetime a `LoadModelFor` asked for since it loaded (it only ever lengthens
+    /// the configured `keep_alive`; see [`State::keep_alive`]).
+    asked_keep_alive: KeepAlive,
 }
 
 #[derive(Debug)]
@@ -301,6 +325,7 @@ impl<M: Memory> State<M> {
                 file,
                 Waiter::Load {
                     client: String::new(),
+                    keep_alive: None,
                     reply,
                 },
             )
@@ -371,13 +396,21 @@ impl<M: Memory> State<M> {
             Request::LoadModel {
                 file,
                 client,
+                keep_alive,
                 reply,
             } => {
+                // A lifetime holds memory like a pin, so it counts against the same limit
+                // until the model unloads.
                 if let Err(e) = self.admit_pin(&client, &file.name).await {
                     let _ = reply.send(Err(e));
                     return;
                 }
-                self.load(file, Waiter::Load { client, reply }).await;
+                let waiter = Waiter::Load {
+                    client,
+                    keep_alive,
+                    reply,
+                };
+                self.load(file, waiter).await;
             }
             Request::UnloadModel { name, reply } => {
                 let _ = reply.send(self.unload(&name));
@@ -447,6 +480,16 @@ impl<M: Memory> State<M> {
             }
             Request::ResizeSession { id, bytes, reply } => {
                 let r = match self.memory.resize_session(id, bytes) {
+                    Ok(()) => {
+                        self.apply_cache_grants();
+                        Ok(())
+                    }
+                    Err(e) => Err(LeanStreamError::OverBudget(e.to_string())),
+                };
+                let _ = reply.send(r);
+            }
+            Request::GrowModel { name, bytes, reply } => {
+                let r = match self.memory.grow_model(&name, bytes) {
                     Ok(()) => {
                         self.apply_cache_grants();
                         Ok(())
@@ -579,14 +622,28 @@ impl<M: Memory> State<M> {
     /// Makes `file`'s model available to `waiter`, loading it on a loader thread if needed.
     async fn load(&mut self, file: ModelFile, waiter: Waiter) {
         let name = file.name.clone();
-        let pin = matches!(waiter, Waiter::Load { .. });
+        let (pin, asked) = match &waiter {
+            Waiter::Load {
+                keep_alive: None, ..
+            } => (true, KeepAlive::default()),
+            Waiter::Load {
+                keep_alive: Some(k),
+                ..
+            } => (false, *k),
+            Waiter::Open { .. } => (false, KeepAlive::default()),
+        };
         if let Some(entry) = self.models.get_mut(&name) {
             entry.pinned |= pin;
+            entry.asked_keep_alive = entry.asked_keep_alive.max(asked);
             match &mut entry.slot {
                 Slot::Loading(waiters) => waiters.push(waiter),
                 Slot::Ready(model) => {
                     let model = Arc::clone(model);
                     self.serve_waiter(&model, waiter).await;
+                    // A lifetime asked of a model without sessions counts from now.
+                    if asked != KeepAlive::default() {
+                        self.unload_if_unused(&name);
+                    }
                 }
             }
             return;
@@ -603,6 +660,7 @@ impl<M: Memory> State<M> {
                 pinned: pin,
                 reserved: false,
                 idle_since: None,
+                asked_keep_alive: asked,
             },
         );
         let tx = self.requests.clone();
@@ -907,7 +965,7 @@ impl<M: Memory> State<M> {
         if !self.unused(name) {
             return;
         }
-        let keep_alive = self.params.model(name).keep_alive;
+        let keep_alive = self.keep_alive(name);
         if keep_alive == KeepAlive::UntilLastClose {
             self.release(name);
             tracing::info!("model {name} unloaded (no sessions left)");
@@ -929,6 +987,15 @@ impl<M: Memory> State<M> {
         }
     }
 
+    /// How long model `name` stays loaded without sessions: its configured `keep_alive`, or
+    /// the longest lifetime a `LoadModelFor` asked for since it loaded, whichever is longer.
+    fn keep_alive(&self, name: &str) -> KeepAlive {
+        let configured = self.params.model(name).keep_alive;
+        self.models
+            .get(name)
+            .map_or(configured, |m| configured.max(m.asked_keep_alive))
+    }
+
     /// How long an unused, unpinned model has been without sessions.
     fn idle_for(&self, name: &str) -> Option<std::time::Duration> {
         let since = self.models.get(name)?.idle_since?;
@@ -937,7 +1004,7 @@ impl<M: Memory> State<M> {
 
     /// Seconds until model `name` unloads on its own; -1 when it will not.
     fn unload_in_seconds(&self, name: &str) -> i64 {
-        match (self.params.model(name).keep_alive, self.idle_for(name)) {
+        match (self.keep_alive(name), self.idle_for(name)) {
             (KeepAlive::Idle(after), Some(idle)) => after.saturating_sub(idle).as_secs() as i64,
             _ => -1,
         }
@@ -946,7 +1013,7 @@ impl<M: Memory> State<M> {
     /// A `keep_alive` timer ran out: unloads the model if it has been unused for that long. A
     /// session that came and went since restarted the wait (its own timer asks later).
     fn idle_check(&mut self, name: &str) {
-        let KeepAlive::Idle(after) = self.params.model(name).keep_alive else {
+        let KeepAlive::Idle(after) = self.keep_alive(name) else {
             return;
         };
         let idle_long_enough = self

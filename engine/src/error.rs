@@ -32,6 +32,17 @@ pub enum Error {
     /// Tokenizer construction or encoding failure.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A JSON Schema, Lark grammar or regex for constrained decoding that does not compile
+    /// (malformed JSON, an unsupported keyword, a syntax error); `reason` is the compiler's.
+    #[error("invalid {kind}: {reason}")]
+    InvalidGrammar {
+        kind: crate::constrain::GrammarKind,
+        reason: String,
+    },
+    /// Constrained decoding failed mid-generation: a token the grammar does not allow was
+    /// advanced, no token can continue, or the parser hit one of its limits.
+    #[error("constrained decoding: {0}")]
+    Constraint(String),
     /// Chat template rendering failure.
     #[error("chat template: {0}")]
     ChatTemplate(String),

@@ -75,6 +75,7 @@ impl Decode for Session {
     }
 }
 
+use crate::constrain::Constraint;
 use crate::sample::{Sampler, SamplerConfig};
 use crate::{Error, Result};
 
@@ -100,6 +101,8 @@ pub struct GenerationStats {
     pub prefill: Duration,
     /// Time for the remaining forward passes (one per generated token after the first).
     pub decode: Duration,
+    /// Time in the constraint's mask and advance, if any (already inside prefill and decode).
+    pub constraint: Duration,
 }
 
 impl GenerationStats {
@@ -141,6 +144,25 @@ pub fn generate(
     max_tokens: usize,
     sampler: &SamplerConfig,
     stop_ids: &[u32],
+    on_token: impl FnMut(u32) -> bool,
+) -> Result<Generation> {
+    generate_constrained(
+        session, prompt, max_tokens, sampler, stop_ids, None, on_token,
+    )
+}
+
+/// [`generate`], with every token held to `constraint` when there is one: its mask is applied
+/// to the logits before sampling and the sampled id advances it (see [`crate::constrain`]).
+/// Once the grammar is complete only its end-of-sequence ids are allowed, so `stop_ids` should
+/// hold them (the tokenizer's eos list). A constraint error (the parser hit a limit) ends the
+/// generation with that error.
+pub fn generate_constrained(
+    session: &mut dyn Decode,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampler: &SamplerConfig,
+    stop_ids: &[u32],
+    mut constraint: Option<&mut Constraint>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
     if prompt.is_empty() {
@@ -172,7 +194,14 @@ pub fn generate(
     let mut ids = Vec::with_capacity(max_tokens);
 
     let start = Instant::now();
-    let mut next = sampler.sample(session.forward_batch(prompt)?, &history);
+    let logits = session.forward_batch(prompt)?;
+    let mut next = pick(
+        &mut sampler,
+        constraint.as_deref_mut(),
+        logits,
+        &history,
+        &mut stats.constraint,
+    )?;
     stats.prefill = start.elapsed();
 
     let decode_start = Instant::now();
@@ -194,11 +223,40 @@ pub fn generate(
         if session.position() >= session.max_context() {
             break StopReason::ContextFull;
         }
-        next = sampler.sample(session.forward(next)?, &history);
+        let logits = session.forward(next)?;
+        next = pick(
+            &mut sampler,
+            constraint.as_deref_mut(),
+            logits,
+            &history,
+            &mut stats.constraint,
+        )?;
     };
     stats.decode = decode_start.elapsed();
     stats.generated_tokens = ids.len();
     Ok(Generation { ids, stop, stats })
+}
+
+/// Samples the next id from `logits`, masked by and then advancing `constraint` if any; adds
+/// the constraint's time to `spent`.
+fn pick(
+    sampler: &mut Sampler,
+    constraint: Option<&mut Constraint>,
+    logits: &mut [f32],
+    history: &[u32],
+    spent: &mut Duration,
+) -> Result<u32> {
+    let Some(constraint) = constraint else {
+        return Ok(sampler.sample(logits, history));
+    };
+    let start = Instant::now();
+    constraint.mask(logits)?;
+    let masked = start.elapsed();
+    let id = sampler.sample(logits, history);
+    let start = Instant::now();
+    constraint.advance(id)?;
+    *spent += masked + start.elapsed();
+    Ok(id)
 }
 
 /// Teacher-forced negative log-likelihood of `tokens` (natural log, summed) and the number of

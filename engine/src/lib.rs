@@ -8,7 +8,7 @@
 //! - [`reference`]: the plain dense f32 forward pass, the oracle for every faster path;
 //! - [`forward`]: the engine's dense forward pass over quantised weights;
 //! - [`kv`]: a session's KV cache (f16 / q8_0 / f32, grown in blocks);
-//! - [`sample`]: token sampling;
+//! - [`sample`]: token sampling; [`constrain`]: grammar / JSON Schema constrained decoding;
 //! - [`io`], [`cache`], [`predict`], [`pipeline`]: the sparse streaming engine (direct reads, the
 //!   neuron cache, activation predictors, and the five pipeline modes);
 //! - [`bench`]: the mode comparison behind `leanstream bench`.
@@ -19,6 +19,7 @@ pub mod bench;
 pub mod cache;
 pub mod calibrate;
 pub mod chat;
+pub mod constrain;
 pub mod error;
 pub mod forward;
 pub mod generate;

@@ -2,13 +2,14 @@
 """Stream a generation from leanstreamd over D-Bus with jeepney (pure Python, `pip install jeepney`).
 
     python3 leanstream_client.py --address unix:path=/tmp/bus --model smollm2 --prompt "Hello"
+    python3 leanstream_client.py --model smollm2 --prompt "Pick up the cup." --json-schema action.json
 
 --address takes a D-Bus address, or SYSTEM / SESSION; the default is $LEANSTREAM_BUS, else SYSTEM.
 Exit status: 0 success, 1 the daemon refused or the stream failed, 3 the daemon cannot be reached.
 
 The calls, with their D-Bus signatures (see docs/clients.md):
   Manager.OpenSession(s model, u context_tokens) -> o session
-  Session.Generate(s prompt, (ududdtas) params) -> h fd
+  Session.Generate(s prompt, (ududdtasss) params) -> h fd
   Session.Close()
 Generate returns the read end of a pipe carrying one JSON object per line:
   {"token": {"id": 42, "text": "Hi"}} ... then {"done": {"reason": ..., "stats": {...}}}
@@ -45,17 +46,19 @@ def call(conn, address, method, signature=None, body=()):
     return unwrap_msg(conn.send_and_get_reply(msg))
 
 
-def generate(conn, model, prompt, max_tokens=0, temperature=0.0, seed=0, context=0, out=sys.stdout):
+def generate(conn, model, prompt, max_tokens=0, temperature=0.0, seed=0, context=0, out=sys.stdout,
+             grammar_kind="", grammar=""):
     """Opens a session on `model`, streams the generation of `prompt` to `out`, closes the session.
-    Returns the `done` event's body (reason and stats)."""
+    With grammar_kind "json_schema" and a schema's text as `grammar`, the output is JSON that
+    validates against it (when the done reason is "eos"). Returns the `done` event's body."""
     manager = DBusAddress(MANAGER_PATH, bus_name=BUS_NAME, interface=MANAGER)
     (session_path,) = call(conn, manager, "OpenSession", "su", (model, context))
     session = DBusAddress(session_path, bus_name=BUS_NAME, interface=SESSION)
     try:
         # GenerateParams: max_tokens u, temperature d, top_k u, top_p d, repetition_penalty d,
-        # seed t, stop as.
-        params = (max_tokens, float(temperature), 0, 1.0, 1.0, seed, [])
-        (fd,) = call(conn, session, "Generate", "s(ududdtas)", (prompt, params))
+        # seed t, stop as, grammar_kind s ("" or json_schema, lark, regex), grammar s.
+        params = (max_tokens, float(temperature), 0, 1.0, 1.0, seed, [], grammar_kind, grammar)
+        (fd,) = call(conn, session, "Generate", "s(ududdtasss)", (prompt, params))
         with fd.to_file("rb") as stream:
             for raw in stream:
                 if not raw.strip():
@@ -87,7 +90,17 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context", type=int, default=0, help="0 = the daemon's default")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="constrain the output to JSON that validates against this schema")
     args = parser.parse_args(argv)
+    grammar_kind, grammar = "", ""
+    if args.json_schema:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                grammar_kind, grammar = "json_schema", f.read()
+        except OSError as e:
+            print(f"error: cannot read the schema {args.json_schema}: {e}", file=sys.stderr)
+            return 1
 
     try:
         conn = open_dbus_connection(bus=args.address, enable_fds=True)
@@ -97,7 +110,7 @@ def main(argv=None):
     with conn:
         try:
             done = generate(conn, args.model, args.prompt, args.max_tokens, args.temperature,
-                            args.seed, args.context)
+                            args.seed, args.context, grammar_kind=grammar_kind, grammar=grammar)
         except DBusErrorResponse as e:
             message = e.data[0] if e.data else ""
             print(f"\nerror: {e.name}: {message}", file=sys.stderr)

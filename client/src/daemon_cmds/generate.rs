@@ -52,6 +52,7 @@ impl SamplingArgs {
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
             stop: self.stop.clone(),
+            ..GenerateParams::default()
         }
     }
 }
@@ -101,8 +102,31 @@ pub struct GenerateArgs {
     /// end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Constrain the output to the JSON Schema in FILE: the text is one line of JSON that
+    /// validates against it when the generation ends with reason `eos`.
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Constrain the output to the grammar in FILE (llguidance's Lark dialect).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<std::path::PathBuf>,
     /// The prompt; `-` reads it from stdin.
     pub prompt: String,
+}
+
+impl GenerateArgs {
+    /// The sampling parameters, with the grammar `--json-schema` or `--grammar` names.
+    fn params(&self) -> anyhow::Result<GenerateParams> {
+        let mut params = self.sampling.params();
+        let (kind, path) = match (&self.json_schema, &self.grammar) {
+            (Some(p), _) => ("json_schema", p),
+            (None, Some(p)) => ("lark", p),
+            (None, None) => return Ok(params),
+        };
+        params.grammar_kind = kind.into();
+        params.grammar =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        Ok(params)
+    }
 }
 
 #[derive(Args, Debug)]
@@ -171,13 +195,14 @@ fn report_end(generation: &Generation) {
 }
 
 pub async fn generate(client: &Client, args: GenerateArgs) -> anyhow::Result<()> {
+    let params = args.params()?;
     let prompt = if args.prompt == "-" {
         std::io::read_to_string(std::io::stdin()).context("reading the prompt from stdin")?
     } else {
         args.prompt
     };
     let session = open(client, &args.sampling).await?;
-    let stream = session.generate(&prompt, &args.sampling.params()).await?;
+    let stream = session.generate(&prompt, &params).await?;
     let result = if args.json {
         stream.finish().await
     } else {

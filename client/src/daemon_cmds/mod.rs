@@ -24,8 +24,14 @@ pub enum DaemonCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Load a model into the daemon.
-    Load { name: String },
+    /// Load a model into the daemon: pinned until `unload`, or with `--keep-alive`.
+    Load {
+        name: String,
+        /// Instead of pinning it, keep it loaded this many seconds without sessions (counted
+        /// from now, and again from each last session's close; 1..=604800, -1 = pin).
+        #[arg(long, allow_hyphen_values = true)]
+        keep_alive: Option<i64>,
+    },
     /// Unload a model (fails while it has sessions).
     Unload { name: String },
     /// Generate text through the daemon, streaming it to stdout.
@@ -65,7 +71,14 @@ async fn dispatch(bus: &Bus, command: DaemonCommand) -> anyhow::Result<()> {
     let client = Client::connect(bus).await?;
     match command {
         DaemonCommand::Models { json } => status::models(&client, json).await,
-        DaemonCommand::Load { name } => Ok(client.load(&name).await?),
+        DaemonCommand::Load {
+            name,
+            keep_alive: None,
+        } => Ok(client.load(&name).await?),
+        DaemonCommand::Load {
+            name,
+            keep_alive: Some(seconds),
+        } => Ok(client.load_for(&name, seconds).await?),
         DaemonCommand::Unload { name } => Ok(client.unload(&name).await?),
         DaemonCommand::Generate(args) => generate::generate(&client, args).await,
         DaemonCommand::Chat(args) => generate::chat(&client, args).await,

@@ -2,13 +2,16 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
+use leanstream_engine::constrain::{ConstraintVocab, Grammar};
 use leanstream_engine::forward::Model;
-use leanstream_engine::generate::generate;
+use leanstream_engine::generate::generate_constrained;
 use leanstream_engine::kv::KvType;
 use leanstream_engine::sample::SamplerConfig;
 use serde_json::json;
@@ -65,6 +68,28 @@ pub struct RunArgs {
     /// streams the other weights from storage every token (`leanstream plan` shows the plan).
     #[arg(long, value_parser = super::parse_size)]
     pub memory_budget: Option<u64>,
+    /// Constrain the output to the JSON Schema in FILE: the text is one line of JSON that
+    /// validates against it (unless `--max-tokens` cuts it short, which is reported).
+    #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the output to the grammar in FILE (llguidance's Lark dialect).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
+}
+
+/// The grammar `--json-schema` or `--grammar` names, compiled for `model`'s vocabulary.
+fn load_grammar(args: &RunArgs, model: &Model) -> anyhow::Result<Option<Grammar>> {
+    let (path, compile): (_, fn(&Arc<ConstraintVocab>, &str) -> _) =
+        match (&args.json_schema, &args.grammar) {
+            (Some(p), _) => (p, Grammar::json_schema),
+            (None, Some(p)) => (p, Grammar::lark),
+            (None, None) => return Ok(None),
+        };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let vocab = ConstraintVocab::new(&model.tokenizer)?;
+    let grammar = compile(&vocab, &text).with_context(|| format!("in {}", path.display()))?;
+    Ok(Some(grammar))
 }
 
 /// Renders `prompt` as a single user turn with the model's template (or its fallback).
@@ -122,16 +147,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         seed: args.seed,
         ..Default::default()
     };
+    let setup = Instant::now();
+    let grammar = load_grammar(&args, &model)?;
+    let mut constraint = grammar.as_ref().map(Grammar::start);
+    let constraint_setup = setup.elapsed();
     let eos = model.tokenizer.specials().eos.clone();
     let mut stream = model.tokenizer.stream();
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
-    let generation = generate(
+    let generation = generate_constrained(
         session.as_mut(),
         &prompt_ids,
         args.max_tokens,
         &sampler,
         &eos,
+        constraint.as_mut(),
         |id| {
             // The end-of-generation token is not part of the text (as in the daemon's stream).
             if args.json || eos.contains(&id) {
@@ -154,12 +184,27 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let stats = &generation.stats;
     let peak = leanstream_engine::bench::process::peak_rss_bytes();
+    // Whether the constrained text is whole (`None` without a constraint).
+    let complete = constraint.as_mut().map(|c| c.is_complete());
+    if complete == Some(false) && !args.json {
+        eprintln!(
+            "warning: stopped ({:?}) before the grammar was complete",
+            generation.stop
+        );
+    }
     if args.json {
         let out = json!({
             "prompt_ids": prompt_ids,
             "ids": generation.ids,
             "text": model.tokenizer.decode(text_ids(&generation.ids, &eos))?,
             "stop_reason": format!("{:?}", generation.stop).to_lowercase(),
+            "constraint": grammar.as_ref().map(|g| json!({
+                "kind": g.kind().to_string(),
+                "complete": complete,
+                "setup_s": constraint_setup.as_secs_f64(),
+                "mask_s_per_token": stats.constraint.as_secs_f64()
+                    / stats.generated_tokens.max(1) as f64,
+            })),
             "quantization": leanstream_engine::model::summarize(&args.model)
                 .map(|s| s.quantization)
                 .ok(),

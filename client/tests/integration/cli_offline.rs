@@ -152,6 +152,62 @@ fn sampling_is_repeatable_by_seed() {
 }
 
 #[test]
+fn run_json_schema_constrains_the_text_and_a_bad_schema_is_refused() {
+    let m = real_gguf();
+    let dir = tempfile::tempdir().unwrap();
+    let schema = dir.path().join("command.json");
+    std::fs::write(
+        &schema,
+        r#"{"type":"object","properties":{"action":{"enum":["pick","place"]},"object":{"type":"string","maxLength":12}},"required":["action","object"],"additionalProperties":false}"#,
+    )
+    .unwrap();
+    let v = ok_json(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "Pick up the cup.",
+        "--max-tokens",
+        "48",
+        "--json-schema",
+        schema.to_str().unwrap(),
+        "--json",
+    ]);
+    let text = v["text"].as_str().expect("text");
+    let out: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        ["pick", "place"].contains(&out["action"].as_str().unwrap_or("")),
+        "{text}"
+    );
+    assert!(
+        out["object"]
+            .as_str()
+            .is_some_and(|o| o.chars().count() <= 12),
+        "{text}"
+    );
+    assert_eq!(v["stop_reason"], "eos");
+    assert_eq!(v["constraint"]["kind"], "JSON Schema");
+    assert_eq!(v["constraint"]["complete"], true);
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"type": "strnig"}"#).unwrap();
+    let e = err_text(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--json-schema",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("bad.json") && e.contains("invalid JSON Schema"),
+        "{e}"
+    );
+}
+
+#[test]
 fn perplexity_json_reports_tokens_nll_and_ppl() {
     let m = real_gguf();
     let text = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/text/heldout-eval.txt");
@@ -223,6 +279,61 @@ fn convert_then_run_the_lsm() {
         dir.path().join("again.lsm").to_str().unwrap(),
     ]);
     assert!(e.contains("already a .lsm"), "{e}");
+}
+
+#[test]
+fn a_saved_tokenizer_serves_synth_without_its_donor() {
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("tokenizer.json");
+    let out = leanstream(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--save-tokenizer",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lsm = dir.path().join("synth.lsm");
+    let out = leanstream(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--tokenizer-from",
+        saved.to_str().unwrap(),
+        "-o",
+        lsm.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("tokenizer: tiny test vocabulary (128 ids)"),
+        "{stdout}"
+    );
+    assert!(lsm.is_file());
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{}").unwrap();
+    let e = err_text(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--tokenizer-from",
+        bad.to_str().unwrap(),
+        "-o",
+        "x.lsm",
+    ]);
+    assert!(
+        e.contains("not a tokenizer saved by --save-tokenizer"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -286,6 +286,27 @@ fn cli_against_the_mock_daemon() {
     let out = cli(a, &["generate", "-"], "from stdin");
     assert_eq!(text(&out.stdout), "echo: from stdin\n");
 
+    let dir = tempfile::tempdir().expect("tempdir");
+    let grammar = dir.path().join("yes.lark");
+    std::fs::write(&grammar, "start: \"yes\"").expect("write the grammar");
+    let out = cli(
+        a,
+        &["generate", "--grammar", grammar.to_str().unwrap(), "x"],
+        "",
+    );
+    assert_eq!(text(&out.stdout), "echo[lark]: x\n");
+    let out = cli(
+        a,
+        &["generate", "--json-schema", "/nonexistent/schema.json", "x"],
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("/nonexistent/schema.json"),
+        "{}",
+        text(&out.stderr)
+    );
+
     let out = cli(a, &["generate", "--model", "nosuch", "x"], "");
     assert_eq!(out.status.code(), Some(1));
     let err = text(&out.stderr);
@@ -416,6 +437,21 @@ fn python_example_against_the_mock_daemon() {
 
     let out = run(&["--model", "tiny", "--prompt", "x", "--max-tokens", "2"]);
     assert_eq!(text(&out.stdout), "ec\n");
+
+    // A schema travels as grammar_kind json_schema and the file's text.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let schema = dir.path().join("action.json");
+    std::fs::write(&schema, r#"{"type":"object"}"#).expect("write the schema");
+    let out = run(&[
+        "--model",
+        "tiny",
+        "--prompt",
+        "x",
+        "--json-schema",
+        schema.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "echo[json_schema]: x\n");
 
     let out = run(&["--model", "nosuch", "--prompt", "x"]);
     assert_eq!(out.status.code(), Some(1));

@@ -3,7 +3,8 @@
 //! (real fd passing) without the engine or the real daemon.
 //!
 //! Mock behaviour: models `tiny` (loaded) and `other` (not loaded). `Generate(prompt)` streams
-//! `echo: {prompt}` one character per token (id = the char's code point), cut at `max_tokens`;
+//! `echo: {prompt}` one character per token (id = the char's code point), cut at `max_tokens`
+//! (`echo[KIND]: {prompt}` when the params carry a `grammar_kind`);
 //! the prompt `fail` ends the stream with an `Internal` error event, `truncate` closes it without
 //! `done`, an empty prompt is `InvalidArgument`. `GenerateChat` answers `turn N: {last user
 //! message}` where N counts the user turns it was given.
@@ -333,7 +334,11 @@ impl MockSession {
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
         self.generations.fetch_add(1, Ordering::Relaxed);
-        let mut events = token_events(&format!("echo: {prompt}"), &params);
+        let echo = match params.grammar_kind.as_str() {
+            "" => format!("echo: {prompt}"),
+            kind => format!("echo[{kind}]: {prompt}"),
+        };
+        let mut events = token_events(&echo, &params);
         match prompt {
             "" => {
                 return Err(LeanStreamError::InvalidArgument(

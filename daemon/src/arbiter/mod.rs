@@ -1,6 +1,7 @@
-//! The memory arbiter (DESIGN §7): one byte budget for the whole daemon, shared by resident
-//! weights, neuron caches, KV caches and working buffers. A pure state machine — no I/O, no
-//! clock, no async — owned by the daemon's state task, which applies its decisions to the engine.
+//! The memory arbiter (docs/architecture.md §3): one byte budget for the whole daemon, shared
+//! by resident weights, neuron caches, KV caches and working buffers. A pure state machine — no
+//! I/O, no clock, no async — owned by the daemon's state task, which applies its decisions to
+//! the engine.
 //!
 //! # Policy
 //!
@@ -223,6 +224,25 @@ impl Arbiter {
             },
         );
         self.reserved += needed;
+        self.settle();
+        Ok(())
+    }
+
+    /// Adds `extra_bytes` to a loaded model's resident reservation (something it keeps for
+    /// its lifetime, built after the load: the grammar parser's token trie), shrinking other
+    /// caches as needed. Refused, changing nothing, when the model is not loaded or the bytes
+    /// do not fit beside the other hard reservations (`OverBudget`).
+    pub fn grow_resident(&mut self, name: &str, extra_bytes: u64) -> Result<(), ArbiterError> {
+        if !self.models.contains_key(name) {
+            return Err(ArbiterError::UnknownModel(name.to_owned()));
+        }
+        self.admit(extra_bytes, || {
+            format!("keeping {} more for model `{name}`", Bytes(extra_bytes))
+        })?;
+        if let Some(m) = self.models.get_mut(name) {
+            m.resident_bytes += extra_bytes;
+        }
+        self.reserved += extra_bytes;
         self.settle();
         Ok(())
     }

@@ -65,6 +65,30 @@ fn refused_load_changes_nothing_and_names_the_figures() {
 }
 
 #[test]
+fn a_model_grows_its_reservation_by_shrinking_caches_or_is_refused_unchanged() {
+    let mut arb = arbiter(100, 4);
+    arb.load_model("a", 60 * MIB, 10 * MIB, 30 * MIB).unwrap();
+    arb.grow_resident("a", 15 * MIB).unwrap();
+    assert_eq!(arb.reserved_bytes(), 85 * MIB);
+    assert_eq!(
+        arb.cache_bytes("a"),
+        Some(25 * MIB),
+        "the cache shrank to make room"
+    );
+    let before = arb.clone();
+    let err = arb.grow_resident("a", 16 * MIB).unwrap_err();
+    assert!(matches!(err, ArbiterError::OverBudget { .. }), "{err}");
+    assert_eq!(arb, before);
+    assert!(matches!(
+        arb.grow_resident("nosuch", MIB),
+        Err(ArbiterError::UnknownModel(_))
+    ));
+    // What a model grew by is freed with it.
+    arb.unload_model("a").unwrap();
+    assert_eq!(arb.reserved_bytes(), 0);
+}
+
+#[test]
 fn load_shrinks_other_caches_to_fit() {
     let mut arb = arbiter(100, 4);
     arb.load_model("a", 40 * MIB, 0, 60 * MIB).unwrap();

@@ -1,5 +1,6 @@
-//! Model lifetime: `keep_alive` (how long a model without sessions stays loaded) and `preload`
-//! (loaded at start and kept), as `Memory()` and `ListModels` report them.
+//! Model lifetime: `keep_alive` (how long a model without sessions stays loaded), `preload`
+//! (loaded at start and kept) and `LoadModelFor` (a client's lifetime instead of a pin), as
+//! `Memory()` and `ListModels` report them.
 
 use std::time::{Duration, Instant};
 
@@ -105,3 +106,59 @@ fn keep_alive_minus_one_keeps_a_model_and_preload_loads_it_at_start() -> anyhow:
         Ok(())
     })
 }
+
+#[test]
+fn load_model_for_keeps_a_model_its_lifetime_without_sessions_and_refuses_zero()
+-> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        // Configured to unload at the last close: only the asked lifetime keeps it.
+        let _daemon = daemon_with(&bus, "keep_alive = 0").await?;
+        let c = Client::new(&bus).await?;
+        for bad in [0, -2, KEEP_ALIVE_TOO_LONG] {
+            let r = c.manager.load_model_for(MODEL, bad).await;
+            assert_eq!(error_name(r), "InvalidArgument", "{bad}");
+        }
+        assert!(
+            loaded(&c).await?.is_none(),
+            "a refused call loaded the model"
+        );
+
+        let asked = Instant::now();
+        c.manager.load_model_for(MODEL, 2).await?;
+        let m = loaded(&c)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("LoadModelFor did not load the model"))?;
+        assert!((0..=2).contains(&m.unload_in_seconds), "{m:?}");
+        // Not a pin: UnloadModel is not needed, and a session's close restarts the wait.
+        let closed = use_once(&c).await?;
+        assert!(loaded(&c).await?.is_some(), "unloaded at the last close");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while loaded(&c).await?.is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "still loaded 15 s after its lifetime"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            closed.elapsed() >= Duration::from_millis(1900),
+            "unloaded {:?} after the last close, {:?} after the call",
+            closed.elapsed(),
+            asked.elapsed()
+        );
+
+        // -1 pins, as LoadModel does.
+        c.manager.load_model_for(MODEL, -1).await?;
+        use_once(&c).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let m = loaded(&c)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("-1 did not pin the model"))?;
+        assert_eq!(m.unload_in_seconds, -1, "{m:?}");
+        Ok(())
+    })
+}
+
+/// One second more than the longest lifetime the contract accepts (a week).
+const KEEP_ALIVE_TOO_LONG: i64 = 604_801;

@@ -14,6 +14,7 @@ mod lifetime;
 mod privacy;
 mod soak;
 mod streaming;
+mod structured;
 
 /// Starts this package's `leanstreamd` on `bus`: the binary cargo built for this test, from the
 /// same dependency builds as the tests (no second build with other features).

@@ -1,5 +1,6 @@
-//! The sparse FFN pipelines over a `.lsm` file: the five modes of DESIGN §6, all over the same
-//! file, predictor and cache budget so that comparisons between them are fair.
+//! The sparse FFN pipelines over a `.lsm` file: the five modes of the README's "Sparse
+//! streaming" section, all over the same file, predictor and cache budget so that comparisons
+//! between them are fair.
 //!
 //! | mode | FFN weights come from | what decides the cache |
 //! |---|---|---|

@@ -3,7 +3,7 @@
 //! three modes are presets of the policy, and the ablation of LeanStream's refinements switches
 //! its parts on one at a time.
 //!
-//! Per token and layer `l` (DESIGN §1, §3):
+//! Per token and layer `l` (docs/architecture.md §2):
 //! 1. **Speculate** (at the start of layer `l`, before its attention): the predictor scores layers
 //!    `l..l + lookahead` from the residual stream as it is now, and reads of the missing chunks
 //!    it selects are queued, nearer layers first, better margins first.

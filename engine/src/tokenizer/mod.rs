@@ -8,7 +8,10 @@
 //!   [`SpecialTokens`].
 //! - [`Tokenizer::stream`] gives a [`TextStream`] for the generation loop: one id in, the newly
 //!   completed text out, with split multi-byte characters held back until they are whole.
+//! - [`Tokenizer::token_bytes`] gives the raw bytes each id stands for ([`TokenBytes`]), which
+//!   constrained decoding matches against a grammar.
 
+mod bytes;
 mod gguf;
 mod spm;
 mod stream;
@@ -19,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+pub use bytes::TokenBytes;
 pub use gguf::{MAX_VOCAB, SUPPORTED_PRE};
 pub use stream::TextStream;
 

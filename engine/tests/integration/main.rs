@@ -1,5 +1,5 @@
 //! The engine's integration tests, one module per concern, linked into one test binary: each
-//! binary links the whole engine, so one binary instead of seventeen saves CI minutes and disk.
+//! binary links the whole engine, so one binary instead of eighteen saves CI minutes and disk.
 //! `model_bytes` and `session_bytes` stay binaries of their own (each installs a counting global
 //! allocator), as does `cuda_conformance` (feature `cuda`).
 //!
@@ -10,6 +10,7 @@ mod common;
 
 mod calibrate_real;
 mod calibrate_tiny;
+mod constrained_real;
 mod elastic_cache;
 mod gemma_real;
 mod import_bad_input;
