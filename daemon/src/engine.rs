@@ -702,6 +702,10 @@ fn compute(
                     text: piece,
                 },
             );
+            // The token goes out now, not after the next forward pass. A full pipe keeps it
+            // pending (written when it drains); a closed one ends the generation at the next
+            // step's flush.
+            let _ = flush(g);
             if tok.is_eos(next) {
                 end_done(g, "eos");
             } else if g.spec.stop.iter().any(|s| g.text.contains(s.as_str())) {
@@ -847,6 +851,145 @@ mod tests {
     /// Runs a generation of `prompt` on session `id` and returns its stream's events.
     fn run_one(engine: &Engine, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
         read_events(start(engine, id, prompt))
+    }
+
+    /// A session that notes, at every forward pass, how many bytes of the token stream are
+    /// waiting in the pipe (`FIONREAD` on a duplicate of the read end, which reads nothing).
+    #[derive(Debug)]
+    struct PipeWatch {
+        inner: Box<dyn Decode + Send>,
+        pipe: std::os::fd::OwnedFd,
+        seen: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl PipeWatch {
+        fn note(&self) {
+            use std::os::fd::AsRawFd;
+            let mut waiting: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int through the pointer, which points at `waiting`;
+            // the fd is open for the lifetime of `self.pipe`.
+            let rc = unsafe { libc::ioctl(self.pipe.as_raw_fd(), libc::FIONREAD, &mut waiting) };
+            assert_eq!(rc, 0, "FIONREAD on the stream's pipe");
+            self.seen.lock().unwrap().push(waiting as usize);
+        }
+    }
+
+    impl Decode for PipeWatch {
+        fn forward(&mut self, token: u32) -> leanstream_engine::Result<&mut [f32]> {
+            self.note();
+            self.inner.forward(token)
+        }
+        fn forward_batch(&mut self, tokens: &[u32]) -> leanstream_engine::Result<&mut [f32]> {
+            self.note();
+            self.inner.forward_batch(tokens)
+        }
+        fn position(&self) -> usize {
+            self.inner.position()
+        }
+        fn max_context(&self) -> usize {
+            self.inner.max_context()
+        }
+        fn vocab_size(&self) -> usize {
+            self.inner.vocab_size()
+        }
+        fn forward_with(
+            &mut self,
+            token: u32,
+            exec: &mut dyn leanstream_engine::forward::FfnExecutor,
+        ) -> leanstream_engine::Result<&mut [f32]> {
+            self.note();
+            self.inner.forward_with(token, exec)
+        }
+        fn reset(&mut self) {
+            self.inner.reset()
+        }
+        fn bytes(&self) -> u64 {
+            self.inner.bytes()
+        }
+        fn kv_growth_bytes(&self, tokens: usize) -> u64 {
+            self.inner.kv_growth_bytes(tokens)
+        }
+        fn grow_kv(&mut self, tokens: usize) -> leanstream_engine::Result<()> {
+            self.inner.grow_kv(tokens)
+        }
+        fn release_kv(&mut self) {
+            self.inner.release_kv()
+        }
+    }
+
+    #[test]
+    fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
+        let fx = Fixture::new();
+        let file = fx.gguf("tiny");
+        let model = Arc::new(load(&fx, &file, ""));
+        let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+        let engine = Engine::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+        let (read, out) = std::io::pipe().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let session = Box::new(PipeWatch {
+            inner: model
+                .open_session(64, Precision::Exact, KvType::F32)
+                .unwrap(),
+            pipe: std::os::fd::OwnedFd::from(read.try_clone().unwrap()),
+            seen: Arc::clone(&seen),
+        });
+        engine
+            .tx
+            .send(EngineCmd::Open {
+                id: 1,
+                model: Arc::clone(&model),
+                session,
+            })
+            .unwrap();
+        let (reply, accepted) = tokio::sync::oneshot::channel();
+        let spec = GenSpec {
+            max_tokens: TOKENS,
+            sampler: SamplerConfig::default(),
+            stop: Vec::new(),
+            grammar: None,
+        };
+        let input = Input::Text(PROMPT.to_string());
+        let cmd = EngineCmd::Generate {
+            id: 1,
+            input,
+            spec,
+            out,
+            reply,
+        };
+        engine.tx.send(cmd).unwrap();
+        accepted.blocking_recv().unwrap().unwrap();
+        // Read nothing until the generation is over (the whole stream fits in the pipe), so
+        // what the session saw waiting is everything written so far.
+        while !matches!(
+            events_rx.blocking_recv(),
+            Some(EngineEvent::Finished { id: 1, .. }) | None
+        ) {}
+        let mut text = String::new();
+        let mut read = read;
+        read.read_to_string(&mut text).unwrap();
+        engine.tx.send(EngineCmd::Shutdown).unwrap();
+        engine.thread.join().unwrap();
+
+        // Bytes of the stream once token k (1-based) was written.
+        let lines: Vec<&str> = text.split_inclusive('\n').collect();
+        let tokens = lines.len() - 1; // the last line is `done`
+        assert_eq!(tokens, TOKENS, "{text}");
+        let written: Vec<usize> = lines
+            .iter()
+            .scan(0, |sum, l| {
+                *sum += l.len();
+                Some(*sum)
+            })
+            .collect();
+        // The last TOKENS - 1 forward passes each follow a token: the one they run on must be
+        // in the pipe already.
+        let seen = seen.lock().unwrap();
+        let decode = &seen[seen.len() - (TOKENS - 1)..];
+        assert_eq!(
+            decode,
+            &written[..TOKENS - 1],
+            "bytes waiting at each decode pass"
+        );
     }
 
     #[test]
