@@ -2,9 +2,11 @@
 //! generations, never on tokio workers.
 //!
 //! Scheduling policy: round-robin, one forward pass per active generation per round, whether that
-//! pass is a prompt token (prefill) or a decode step. Every client gets the same share of the
-//! compute, a long prompt cannot starve the others, and commands (cancel, close, new work) are
-//! taken between any two passes, so they wait at most one forward pass. Each forward pass is
+//! pass is a piece of the prompt (prefill: up to [`MAX_BATCH`] tokens through the batched
+//! forward pass of a dense model, one token through a sparse pipeline) or a decode step. Every
+//! client gets a similar share of the compute, a long prompt cannot starve the others, and
+//! commands (cancel, close, new work) are taken between any two passes, so they wait at most one
+//! forward pass. Each forward pass is
 //! itself parallel on the rayon pool (`[engine] compute_threads`). Sessions on one model share
 //! its `Arc<Model>` (weights, tokenizer) and, in a sparse mode, its FFN pipeline with the neuron
 //! cache (see [`crate::loader`]); each owns its KV cache.
@@ -27,6 +29,7 @@ use std::time::{Duration, Instant};
 use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
 use leanstream_engine::chat::ChatMessage;
 use leanstream_engine::constrain::{Constraint, GrammarKind};
+use leanstream_engine::forward::MAX_BATCH;
 use leanstream_engine::generate::Decode;
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
@@ -614,17 +617,17 @@ struct Room<'a> {
 }
 
 impl Room<'_> {
-    /// Makes room in the KV cache for one more token: reserves the block it needs first, then
-    /// allocates it. Nothing is allocated when the reservation is refused.
-    fn grow(&self, session: &mut dyn Decode) -> Result<(), Failure> {
-        let extra = session.kv_growth_bytes(1);
+    /// Makes room in the KV cache for `tokens` more tokens: reserves the blocks they need
+    /// first, then allocates them. Nothing is allocated when the reservation is refused.
+    fn grow(&self, session: &mut dyn Decode, tokens: usize) -> Result<(), Failure> {
+        let extra = session.kv_growth_bytes(tokens);
         if extra == 0 {
             return Ok(());
         }
         self.budget
             .resize(self.id, session.bytes() + extra)
             .map_err(Failure::Budget)?;
-        Ok(session.grow_kv(1)?)
+        Ok(session.grow_kv(tokens)?)
     }
 }
 
@@ -636,7 +639,7 @@ fn forward<'s>(
     token: u32,
     room: &Room<'_>,
 ) -> Result<&'s mut [f32], Failure> {
-    room.grow(session)?;
+    room.grow(session, 1)?;
     Ok(match &model.ffn {
         // A panic while the scheduler held the lock would have ended this thread, so a poisoned
         // lock cannot be seen here; take it anyway rather than add a panic path.
@@ -671,11 +674,23 @@ fn compute(
 ) -> Result<(), Failure> {
     match g.phase {
         Phase::Prefill { fed } => {
-            let token = g.prompt[fed];
-            let logits = forward(model, session, token, room)?;
-            seen.push(token);
-            if fed + 1 < g.prompt.len() {
-                g.phase = Phase::Prefill { fed: fed + 1 };
+            // A dense model takes the prompt in batches, like the engine's `generate` (the same
+            // pieces as its own split, so the same logits); a sparse pipeline one token a pass.
+            let n = match model.ffn {
+                Some(_) => 1,
+                None => MAX_BATCH.min(g.prompt.len() - fed),
+            };
+            let piece = &g.prompt[fed..fed + n];
+            let logits = match model.ffn {
+                Some(_) => forward(model, session, piece[0], room)?,
+                None => {
+                    room.grow(session, n)?;
+                    session.forward_batch(piece)?
+                }
+            };
+            seen.extend_from_slice(piece);
+            if fed + n < g.prompt.len() {
+                g.phase = Phase::Prefill { fed: fed + n };
             } else {
                 let next = pick(g, logits)?;
                 g.prefill = g.started.elapsed();
@@ -984,7 +999,9 @@ mod tests {
         // The last TOKENS - 1 forward passes each follow a token: the one they run on must be
         // in the pipe already.
         let seen = seen.lock().unwrap();
-        let decode = &seen[seen.len() - (TOKENS - 1)..];
+        // The prompt (under MAX_BATCH tokens) went through one batched pass.
+        assert_eq!(seen.len(), 1 + (TOKENS - 1), "{seen:?}");
+        let decode = &seen[1..];
         assert_eq!(
             decode,
             &written[..TOKENS - 1],
