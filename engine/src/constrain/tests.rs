@@ -6,32 +6,10 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::sample::argmax;
-use crate::tokenizer::GgufVocab;
-
-/// GPT-2's byte → char map.
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
-    if printable(b) {
-        return char::from(b);
-    }
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + n).unwrap_or('?')
-}
-
-fn bl(s: &str) -> String {
-    s.bytes().map(byte_char).collect()
-}
-
-const IM_START: u32 = 1;
-const IM_END: u32 = 2;
+use crate::tokenizer::fixtures::{IM_END, IM_START, byte_level_vocab, sentencepiece_vocab};
 
 /// 3 control tokens, the 256 bytes, then a few merges a planner's JSON uses.
 fn byte_level_tokenizer() -> Tokenizer {
-    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    tokens.extend((0..=255u8).map(|b| byte_char(b).to_string()));
     let merges = [
         ("{", "\""),
         ("p", "i"),
@@ -39,60 +17,21 @@ fn byte_level_tokenizer() -> Tokenizer {
         ("pic", "k"),
         (" ", "\""),
     ];
-    let mut merge_strings = Vec::new();
-    for (a, b) in merges {
-        let (a, b) = (bl(a), bl(b));
-        tokens.push(format!("{a}{b}"));
-        merge_strings.push(format!("{a} {b}"));
-    }
-    let mut token_types = vec![1; tokens.len()];
-    token_types[..3].fill(3);
-    let v = GgufVocab {
-        model: "gpt2".into(),
-        pre: Some("gpt2".into()),
-        tokens,
-        token_types,
-        merges: merge_strings,
-        bos: Some(IM_START),
-        eos: Some(IM_END),
-        ..GgufVocab::default()
-    };
-    Tokenizer::from_gguf(&v).expect("the synthetic byte-level vocabulary builds")
+    Tokenizer::from_gguf(&byte_level_vocab("gpt2", &merges))
+        .expect("the synthetic byte-level vocabulary builds")
 }
 
 /// `<unk>`, `<s>`, `</s>`, the 256 byte-fallback tokens, then a few pieces.
 fn sentencepiece_tokenizer() -> Tokenizer {
-    let mut tokens = vec!["<unk>".to_string(), "<s>".into(), "</s>".into()];
-    let mut types = vec![2, 3, 3];
-    let mut scores = vec![0.0, 0.0, 0.0];
-    for b in 0..=255u8 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(6);
-        scores.push(0.0);
-    }
-    for (piece, score) in [
+    let pieces = [
         ("▁", -1.0),
         ("c", -2.0),
         ("u", -2.0),
         ("p", -2.0),
         ("▁cup", -3.0),
-    ] {
-        tokens.push(piece.into());
-        types.push(1);
-        scores.push(score);
-    }
-    let v = GgufVocab {
-        model: "llama".into(),
-        tokens,
-        token_types: types,
-        scores,
-        bos: Some(1),
-        eos: Some(2),
-        unk: Some(0),
-        add_bos: true,
-        ..GgufVocab::default()
-    };
-    Tokenizer::from_gguf(&v).expect("the synthetic SentencePiece vocabulary builds")
+    ];
+    Tokenizer::from_gguf(&sentencepiece_vocab(&pieces))
+        .expect("the synthetic SentencePiece vocabulary builds")
 }
 
 const PLANNER: &str = r#"{"type":"object","properties":{"action":{"enum":["pick","place","move","stop"]},"object":{"type":"string","maxLength":8}},"required":["action","object"],"additionalProperties":false}"#;

@@ -22,7 +22,7 @@ pub enum TokenBytes {
 }
 
 /// Whether GPT-2's byte ↔ char table prints byte `b` as itself.
-fn printable(b: u8) -> bool {
+pub(super) fn printable(b: u8) -> bool {
     (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE
 }
 

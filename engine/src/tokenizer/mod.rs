@@ -314,4 +314,6 @@ impl Tokenizer {
 }
 
 #[cfg(test)]
+pub(crate) mod fixtures;
+#[cfg(test)]
 mod tests;

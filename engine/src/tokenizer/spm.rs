@@ -108,19 +108,12 @@ pub(super) fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
 
 #[cfg(test)]
 mod tests {
+    use crate::tokenizer::fixtures::sentencepiece_vocab;
     use crate::tokenizer::{GgufVocab, Tokenizer};
 
-    /// `<unk>`, `<s>`, `</s>`, the 256 byte tokens, then pieces with scores.
+    /// The synthetic SentencePiece vocabulary with the pieces of "hello" and " w".
     fn vocab() -> GgufVocab {
-        let mut tokens = vec!["<unk>".to_string(), "<s>".into(), "</s>".into()];
-        let mut types = vec![2, 3, 3];
-        let mut scores = vec![0.0, 0.0, 0.0];
-        for b in 0..=255u8 {
-            tokens.push(format!("<0x{b:02X}>"));
-            types.push(6);
-            scores.push(0.0);
-        }
-        let pieces = [
+        sentencepiece_vocab(&[
             ("▁", -1.0),
             ("h", -2.0),
             ("e", -2.0),
@@ -133,23 +126,7 @@ mod tests {
             ("hello", -6.0),
             ("▁hello", -7.0),
             ("▁w", -8.0),
-        ];
-        for (p, s) in pieces {
-            tokens.push(p.into());
-            types.push(1);
-            scores.push(s);
-        }
-        GgufVocab {
-            model: "llama".into(),
-            tokens,
-            token_types: types,
-            scores,
-            bos: Some(1),
-            eos: Some(2),
-            unk: Some(0),
-            add_bos: true,
-            ..GgufVocab::default()
-        }
+        ])
     }
 
     fn tok() -> Tokenizer {

@@ -1,58 +1,12 @@
 //! Unit tests on small synthetic byte-level vocabularies.
 
+use super::fixtures::{IM_END, IM_START, bl, byte_char, byte_level_vocab};
 use super::*;
-
-/// GPT-2's byte → char map (the one byte-level vocabularies are written in).
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
-    if printable(b) {
-        return char::from(b);
-    }
-    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + n).unwrap_or('?')
-}
-
-/// Byte-level spelling of `s`, e.g. `" the"` → `"Ġthe"`.
-fn bl(s: &str) -> String {
-    s.bytes().map(byte_char).collect()
-}
-
-const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-const IM_START: u32 = 1;
-const IM_END: u32 = 2;
-
-/// 3 control tokens, the 256 single bytes, then merged tokens.
-fn vocab(pre: &str, merges: &[(&str, &str)]) -> GgufVocab {
-    let mut tokens: Vec<String> = SPECIALS.iter().map(|s| s.to_string()).collect();
-    tokens.extend((0..=255u8).map(|b| byte_char(b).to_string()));
-    let mut merge_strings = Vec::new();
-    for (a, b) in merges {
-        let (a, b) = (bl(a), bl(b));
-        let joined = format!("{a}{b}");
-        if !tokens.contains(&joined) {
-            tokens.push(joined);
-        }
-        merge_strings.push(format!("{a} {b}"));
-    }
-    let mut token_types = vec![1; tokens.len()];
-    token_types[..SPECIALS.len()].fill(3);
-    GgufVocab {
-        model: "gpt2".into(),
-        pre: Some(pre.into()),
-        tokens,
-        token_types,
-        merges: merge_strings,
-        bos: Some(IM_START),
-        eos: Some(IM_END),
-        unk: None,
-        ..GgufVocab::default()
-    }
-}
 
 const MERGES: &[(&str, &str)] = &[(" ", "t"), ("h", "e"), (" t", "he"), ("1", "2")];
 
 fn tok(pre: &str) -> Tokenizer {
-    match Tokenizer::from_gguf(&vocab(pre, MERGES)) {
+    match Tokenizer::from_gguf(&byte_level_vocab(pre, MERGES)) {
         Ok(t) => t,
         Err(e) => panic!("synthetic vocabulary must build: {e}"),
     }
@@ -137,7 +91,7 @@ fn special_tokens_in_text_are_single_ids() {
 
 #[test]
 fn user_defined_tokens_are_matched_but_not_special() {
-    let mut v = vocab("smollm", MERGES);
+    let mut v = byte_level_vocab("smollm", MERGES);
     v.tokens.push("<think>".into());
     v.token_types.push(4);
     let t = Tokenizer::from_gguf(&v).unwrap_or_else(|e| panic!("{e}"));
@@ -148,7 +102,7 @@ fn user_defined_tokens_are_matched_but_not_special() {
 
 #[test]
 fn add_bos_prepends_bos() {
-    let mut v = vocab("smollm", MERGES);
+    let mut v = byte_level_vocab("smollm", MERGES);
     v.add_bos = true;
     let t = Tokenizer::from_gguf(&v).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(enc(&t, "he"), vec![IM_START, id(&t, "he")]);
@@ -164,7 +118,7 @@ fn add_bos_prepends_bos() {
 
 #[test]
 fn sizes_and_lookups() {
-    let v = vocab("smollm", MERGES);
+    let v = byte_level_vocab("smollm", MERGES);
     let t = tok("smollm");
     assert_eq!(t.vocab_size(), v.tokens.len());
     assert_eq!(t.id_to_token(IM_END).as_deref(), Some("<|im_end|>"));
@@ -282,7 +236,7 @@ fn from_json_rejects_bad_merges_without_panicking() {
 
 #[test]
 fn bad_metadata_is_an_error() {
-    let good = vocab("smollm", MERGES);
+    let good = byte_level_vocab("smollm", MERGES);
 
     let mut v = good.clone();
     v.merges.push(format!("{} {}", bl("x"), bl("yz")));
