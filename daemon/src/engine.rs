@@ -834,6 +834,12 @@ mod tests {
     /// Starts a generation of `prompt` on session `id`; returns the read end of its stream.
     fn start(engine: &Engine, id: SessionId, prompt: &str) -> std::io::PipeReader {
         let (read, out) = std::io::pipe().unwrap();
+        start_into(engine, id, prompt, out);
+        read
+    }
+
+    /// Starts a generation of `prompt` on session `id` that writes its stream to `out`.
+    fn start_into(engine: &Engine, id: SessionId, prompt: &str, out: std::io::PipeWriter) {
         let (reply, accepted) = tokio::sync::oneshot::channel();
         let spec = GenSpec {
             max_tokens: TOKENS,
@@ -851,7 +857,6 @@ mod tests {
         };
         engine.tx.send(cmd).unwrap();
         accepted.blocking_recv().unwrap().unwrap();
-        read
     }
 
     /// Reads a stream to its end.
@@ -956,23 +961,7 @@ mod tests {
                 session,
             })
             .unwrap();
-        let (reply, accepted) = tokio::sync::oneshot::channel();
-        let spec = GenSpec {
-            max_tokens: TOKENS,
-            sampler: SamplerConfig::default(),
-            stop: Vec::new(),
-            grammar: None,
-        };
-        let input = Input::Text(PROMPT.to_string());
-        let cmd = EngineCmd::Generate {
-            id: 1,
-            input,
-            spec,
-            out,
-            reply,
-        };
-        engine.tx.send(cmd).unwrap();
-        accepted.blocking_recv().unwrap().unwrap();
+        start_into(&engine, 1, PROMPT, out);
         // Read nothing until the generation is over (the whole stream fits in the pipe), so
         // what the session saw waiting is everything written so far.
         while !matches!(
