@@ -30,7 +30,7 @@ use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
 use leanstream_engine::chat::ChatMessage;
 use leanstream_engine::constrain::{Constraint, GrammarKind};
 use leanstream_engine::forward::MAX_BATCH;
-use leanstream_engine::generate::Decode;
+use leanstream_engine::generate::{Decode, sample_next};
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
 
@@ -653,16 +653,15 @@ fn forward<'s>(
     })
 }
 
-/// Samples the next token; a grammar masks what it does not allow first, then follows the pick.
+/// Samples the next token through the engine's step (a grammar, if any, masks and follows it).
 fn pick(g: &mut Generation, logits: &mut [f32]) -> leanstream_engine::Result<u32> {
-    if let Some(c) = &mut g.constraint {
-        c.mask(logits)?;
-    }
-    let next = g.sampler.sample(logits, &g.history);
-    if let Some(c) = &mut g.constraint {
-        c.advance(next)?;
-    }
-    Ok(next)
+    sample_next(
+        &mut g.sampler,
+        g.constraint.as_mut(),
+        logits,
+        &g.history,
+        None,
+    )
 }
 
 fn compute(

@@ -195,12 +195,12 @@ pub fn generate_constrained(
 
     let start = Instant::now();
     let logits = session.forward_batch(prompt)?;
-    let mut next = pick(
+    let mut next = sample_next(
         &mut sampler,
         constraint.as_deref_mut(),
         logits,
         &history,
-        &mut stats.constraint,
+        Some(&mut stats.constraint),
     )?;
     stats.prefill = start.elapsed();
 
@@ -224,12 +224,12 @@ pub fn generate_constrained(
             break StopReason::ContextFull;
         }
         let logits = session.forward(next)?;
-        next = pick(
+        next = sample_next(
             &mut sampler,
             constraint.as_deref_mut(),
             logits,
             &history,
-            &mut stats.constraint,
+            Some(&mut stats.constraint),
         )?;
     };
     stats.decode = decode_start.elapsed();
@@ -237,14 +237,15 @@ pub fn generate_constrained(
     Ok(Generation { ids, stop, stats })
 }
 
-/// Samples the next id from `logits`, masked by and then advancing `constraint` if any; adds
-/// the constraint's time to `spent`.
-fn pick(
+/// Samples the next id from `logits`, masked by and then advancing `constraint` if any (the
+/// step every generation loop takes: [`generate`] and the daemon's scheduler); adds the
+/// constraint's time to `spent` when given.
+pub fn sample_next(
     sampler: &mut Sampler,
     constraint: Option<&mut Constraint>,
     logits: &mut [f32],
     history: &[u32],
-    spent: &mut Duration,
+    spent: Option<&mut Duration>,
 ) -> Result<u32> {
     let Some(constraint) = constraint else {
         return Ok(sampler.sample(logits, history));
@@ -255,7 +256,9 @@ fn pick(
     let id = sampler.sample(logits, history);
     let start = Instant::now();
     constraint.advance(id)?;
-    *spent += masked + start.elapsed();
+    if let Some(spent) = spent {
+        *spent += masked + start.elapsed();
+    }
     Ok(id)
 }
 
