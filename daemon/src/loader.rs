@@ -201,12 +201,7 @@ impl LoadedModel {
                 self.constraint_vocab.get_or_init(|| built)
             }
         };
-        let grammar = match kind {
-            GrammarKind::JsonSchema => Grammar::json_schema(vocab, text),
-            GrammarKind::Lark => Grammar::lark(vocab, text),
-            GrammarKind::Regex => Grammar::regex(vocab, text),
-        };
-        grammar.map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
+        Grammar::new(vocab, kind, text).map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
     }
 
     /// Resizes the neuron cache to `bytes` (rounded down to whole chunks by the engine) and

@@ -161,6 +161,16 @@ impl std::fmt::Debug for Grammar {
 }
 
 impl Grammar {
+    /// Compiles `text` as a grammar of `kind`: [`Grammar::json_schema`], [`Grammar::lark`] or
+    /// [`Grammar::regex`].
+    pub fn new(vocab: &Arc<ConstraintVocab>, kind: GrammarKind, text: &str) -> Result<Grammar> {
+        match kind {
+            GrammarKind::JsonSchema => Grammar::json_schema(vocab, text),
+            GrammarKind::Lark => Grammar::lark(vocab, text),
+            GrammarKind::Regex => Grammar::regex(vocab, text),
+        }
+    }
+
     /// Compiles a JSON Schema (draft 2020-12 subset: types, `enum`, `const`, `properties`,
     /// `required`, `additionalProperties`, `items`, `minLength`/`maxLength`, `pattern`,
     /// numeric bounds, `anyOf`, `$ref`/`$defs`). The text is one line of JSON with `", "` and

@@ -2,14 +2,13 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
-use leanstream_engine::constrain::{ConstraintVocab, Grammar};
+use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::Model;
 use leanstream_engine::generate::generate_constrained;
 use leanstream_engine::kv::KvType;
@@ -79,16 +78,16 @@ pub struct RunArgs {
 
 /// The grammar `--json-schema` or `--grammar` names, compiled for `model`'s vocabulary.
 fn load_grammar(args: &RunArgs, model: &Model) -> anyhow::Result<Option<Grammar>> {
-    let (path, compile): (_, fn(&Arc<ConstraintVocab>, &str) -> _) =
-        match (&args.json_schema, &args.grammar) {
-            (Some(p), _) => (p, Grammar::json_schema),
-            (None, Some(p)) => (p, Grammar::lark),
-            (None, None) => return Ok(None),
-        };
+    let (path, kind) = match (&args.json_schema, &args.grammar) {
+        (Some(p), _) => (p, GrammarKind::JsonSchema),
+        (None, Some(p)) => (p, GrammarKind::Lark),
+        (None, None) => return Ok(None),
+    };
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let vocab = ConstraintVocab::new(&model.tokenizer)?;
-    let grammar = compile(&vocab, &text).with_context(|| format!("in {}", path.display()))?;
+    let grammar =
+        Grammar::new(&vocab, kind, &text).with_context(|| format!("in {}", path.display()))?;
     Ok(Some(grammar))
 }
 
