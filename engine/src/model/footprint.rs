@@ -77,11 +77,17 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
             let f = lsm::LsmFile::parse(path, super::map_file(path)?)?;
             let h = &f.header;
             let streamed = if skip_streamed { h.streamed.len } else { 0 };
-            let vocab = tokenizer_json_counts(&h.tokenizer_json);
+            let tokenizer = match &h.tokenizer_vocab {
+                Some(v) => Tokenizer::gguf_heap_bytes_bound(v),
+                None => {
+                    let vocab = tokenizer_json_counts(&h.tokenizer_json);
+                    tokenizer_bound(vocab.0, vocab.1, vocab.2, vocab.3)
+                }
+            };
             let template = h.chat_template.as_ref().map_or(0, String::len);
             Ok(file_len(path)? - streamed
                 + tables_bound(&h.config)
-                + tokenizer_bound(vocab.0, vocab.1, vocab.2, vocab.3)
+                + tokenizer
                 + other_bound(path, template))
         }
         SourceKind::Gguf => {
@@ -89,21 +95,10 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
                 path,
                 super::map_file(path)?,
             )?)?;
-            let v = &m.vocab;
-            let strings = v
-                .tokens
-                .iter()
-                .map(|t| Tokenizer::malloc_block(t.len()))
-                .sum();
             let template = m.chat_template.as_ref().map_or(0, String::len);
             Ok(file_len(path)?
                 + tables_bound(&m.config)
-                + tokenizer_bound(
-                    v.tokens.len(),
-                    strings,
-                    Tokenizer::gguf_merge_count(v),
-                    Tokenizer::gguf_added_count(v),
-                )
+                + Tokenizer::gguf_heap_bytes_bound(&m.vocab)
                 + other_bound(path, template))
         }
         SourceKind::SafetensorsDir => {
@@ -126,8 +121,8 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
     }
 }
 
-/// [`Tokenizer::heap_bytes`] as a tokenizer of these counts will report it (`strings`: the
-/// malloc blocks of its token texts), with its special ids.
+/// [`Tokenizer::heap_bytes`] as a `tokenizer.json` tokenizer of these counts will report it
+/// (`strings`: the malloc blocks of its token texts), with its special ids.
 fn tokenizer_bound(tokens: usize, strings: usize, merges: usize, added: usize) -> u64 {
     Tokenizer::heap_bytes_bound(tokens, strings, merges, added) + 4 * tokens as u64
 }

@@ -6,8 +6,6 @@
 //! - SentencePiece (GGUF `llama`): `▁` is a space and `<0xNN>` the byte 0xNN (byte fallback);
 //! - control tokens (see [`Tokenizer::is_special`]) are not text at all.
 
-use tokenizers::decoders::DecoderWrapper;
-
 use super::Tokenizer;
 
 /// One id of the vocabulary, as [`Tokenizer::token_bytes`] describes it.
@@ -28,8 +26,8 @@ pub(super) fn printable(b: u8) -> bool {
 
 /// GPT-2's char → byte table: a printable byte is its own char; the n-th non-printable byte is
 /// char U+0100 + n. Indexed by the char's code point (0..0x144).
-fn byte_level_table() -> Vec<Option<u8>> {
-    let mut table = vec![None; 0x100 + 68];
+fn byte_level_table() -> [Option<u8>; 0x144] {
+    let mut table = [None; 0x144];
     let mut n = 0;
     for b in 0..=255u8 {
         if printable(b) {
@@ -42,25 +40,34 @@ fn byte_level_table() -> Vec<Option<u8>> {
     table
 }
 
-/// The bytes of a byte-level token; a char outside the table (an added token written as plain
-/// text) stands for its own UTF-8.
-fn byte_level(text: &str, table: &[Option<u8>], out: &mut Vec<u8>) {
+/// The bytes of a byte-level token: each char through GPT-2's table, or, when a char is outside
+/// it (an added token written as plain text), the token's own UTF-8 (the `ByteLevel` decoder's
+/// rule).
+pub(super) fn byte_level_token(text: &str, out: &mut Vec<u8>) {
+    static TABLE: std::sync::LazyLock<[Option<u8>; 0x144]> =
+        std::sync::LazyLock::new(byte_level_table);
+    let start = out.len();
     for c in text.chars() {
-        match table.get(c as usize).copied().flatten() {
+        match TABLE.get(c as usize).copied().flatten() {
             Some(b) => out.push(b),
-            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            None => {
+                out.truncate(start);
+                out.extend_from_slice(text.as_bytes());
+                return;
+            }
         }
     }
 }
 
+/// The byte of a SentencePiece byte-fallback token `<0xNN>`, if `text` is one.
+pub(super) fn byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
 /// The bytes of a SentencePiece token: `<0xNN>` is one byte, `▁` a space.
 fn sentencepiece(text: &str, out: &mut Vec<u8>) {
-    let hex = text
-        .strip_prefix("<0x")
-        .and_then(|t| t.strip_suffix('>'))
-        .filter(|h| h.len() == 2)
-        .and_then(|h| u8::from_str_radix(h, 16).ok());
-    match hex {
+    match byte_token(text) {
         Some(b) => out.push(b),
         None => out.extend_from_slice(text.replace('\u{2581}', " ").as_bytes()),
     }
@@ -70,11 +77,10 @@ impl Tokenizer {
     /// Every id's bytes, indexed by id ([`Tokenizer::vocab_size`] entries). Computed anew on each
     /// call (a walk over the vocabulary): build what needs it once per model.
     pub fn token_bytes(&self) -> Vec<TokenBytes> {
-        let byte_level = matches!(self.inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
-        let table = byte_level_table();
+        let byte_level = self.is_byte_level();
         (0..self.vocab_size as u32)
             .map(|id| {
-                let Some(text) = self.inner.id_to_token(id) else {
+                let Some(text) = self.id_to_token(id) else {
                     return TokenBytes::Unknown;
                 };
                 if self.is_special(id) {
@@ -82,7 +88,7 @@ impl Tokenizer {
                 }
                 let mut bytes = Vec::with_capacity(text.len());
                 if byte_level {
-                    self::byte_level(&text, &table, &mut bytes);
+                    byte_level_token(&text, &mut bytes);
                 } else {
                     sentencepiece(&text, &mut bytes);
                 }
@@ -106,8 +112,11 @@ mod tests {
         }
         assert!(seen.iter().all(|&s| s), "every byte has a char");
         let mut out = Vec::new();
-        byte_level("Ġthe\u{10a}", &table, &mut out);
+        byte_level_token("Ġthe\u{10a}", &mut out);
         assert_eq!(out, b" the\n");
+        // A char outside the table: the whole token is its own UTF-8.
+        byte_level_token("é\u{2581}", &mut out);
+        assert_eq!(out, " the\né\u{2581}".as_bytes());
     }
 
     #[test]

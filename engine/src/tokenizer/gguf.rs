@@ -73,7 +73,7 @@ const QWEN2_RE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD
 
 /// How a `pre` value splits text before BPE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PreKind {
+pub(super) enum PreKind {
     Gpt2,
     DigitsThenGpt2,
     Llama3,
@@ -81,7 +81,7 @@ enum PreKind {
     Default,
 }
 
-fn pre_kind(pre: Option<&str>) -> Result<PreKind> {
+pub(super) fn pre_kind(pre: Option<&str>) -> Result<PreKind> {
     Ok(match pre.unwrap_or("default") {
         "default" => PreKind::Default,
         "gpt-2" | "gpt2" | "mpt" | "olmo" | "jais" => PreKind::Gpt2,
@@ -111,7 +111,7 @@ fn split(re: &str) -> Result<PreTokenizerWrapper> {
     .map_err(|e| Error::Tokenizer(format!("split regex `{re}`: {e}")))
 }
 
-fn pre_tokenizer(kind: PreKind) -> Result<PreTokenizerWrapper> {
+pub(super) fn pre_tokenizer(kind: PreKind) -> Result<PreTokenizerWrapper> {
     // With the GPT-2 regex built in, ByteLevel splits and maps bytes in one step.
     let byte_level_regex = PreTokenizerWrapper::from(ByteLevel::new(false, true, true));
     let byte_level_plain = PreTokenizerWrapper::from(ByteLevel::new(false, true, false));
@@ -132,7 +132,7 @@ fn pre_tokenizer(kind: PreKind) -> Result<PreTokenizerWrapper> {
 }
 
 /// Checks the parts of `v` every model type relies on: sizes, ids in range.
-fn check_common(v: &GgufVocab) -> Result<()> {
+pub(super) fn check_common(v: &GgufVocab) -> Result<()> {
     let n = v.tokens.len();
     if n == 0 {
         return Err(Error::Tokenizer("the vocabulary has no tokens".into()));
@@ -177,7 +177,7 @@ pub(super) fn vocab_map(tokens: &[String]) -> Vocab {
 
 /// Splits a GGUF merge `"left right"` at the first space after the first byte (llama.cpp's
 /// rule, so that a left part that is itself a space still parses).
-fn split_merge(m: &str) -> Option<(&str, &str)> {
+pub(super) fn split_merge(m: &str) -> Option<(&str, &str)> {
     let first = m.chars().next()?.len_utf8();
     let pos = m[first..].find(' ')? + first;
     Some((&m[..pos], &m[pos + 1..]))
@@ -185,7 +185,7 @@ fn split_merge(m: &str) -> Option<(&str, &str)> {
 
 /// Checks one merge against the vocabulary: both parts and their concatenation must be tokens.
 /// (`tokenizers` would panic on a merge whose result is longer than every token.)
-fn check_merge<F: Fn(&str) -> bool>(i: usize, a: &str, b: &str, has: F) -> Result<()> {
+pub(super) fn check_merge<F: Fn(&str) -> bool>(i: usize, a: &str, b: &str, has: F) -> Result<()> {
     for part in [a, b] {
         if !has(part) {
             return Err(Error::Tokenizer(format!(

@@ -1,16 +1,23 @@
-//! Text ↔ token ids through the `tokenizers` crate (pure-Rust features only).
+//! Text ↔ token ids.
 //!
 //! - [`Tokenizer::from_gguf`] builds the tokenizer a GGUF file describes (`tokenizer.ggml.*`):
 //!   byte-level BPE (`gpt2`) with llama.cpp's per-`pre` split rules, or SentencePiece BPE
-//!   (`llama`) from scores. See [`gguf`] for the supported `pre` values.
-//! - [`Tokenizer::to_json`] / [`Tokenizer::from_json`] store and reload it as `tokenizer.json`
-//!   text (the `.lsm` file keeps it that way); the special ids travel separately as
-//!   [`SpecialTokens`].
+//!   (`llama`) from scores. See [`gguf`] for the supported `pre` values. It is the engine's own
+//!   compact BPE ([`bpe`]: a tenth of the `tokenizers` crate's memory, which matters on a device
+//!   whose budget is smaller than the model); the crate's tokenizer built from the same
+//!   metadata is its test oracle.
+//! - [`Tokenizer::stored`] gives what a `.lsm` file keeps ([`StoredTokenizer`]: the GGUF
+//!   vocabulary, or `tokenizer.json` text), [`Tokenizer::from_stored`] rebuilds it; the special
+//!   ids travel separately as [`SpecialTokens`].
+//! - [`Tokenizer::from_json`] loads a Hugging Face `tokenizer.json` (safetensors directories)
+//!   through the `tokenizers` crate (pure-Rust features only); [`Tokenizer::to_json`] writes
+//!   any tokenizer in that form.
 //! - [`Tokenizer::stream`] gives a [`TextStream`] for the generation loop: one id in, the newly
 //!   completed text out, with split multi-byte characters held back until they are whole.
 //! - [`Tokenizer::token_bytes`] gives the raw bytes each id stands for ([`TokenBytes`]), which
 //!   constrained decoding matches against a grammar.
 
+mod bpe;
 mod bytes;
 mod gguf;
 mod spm;
@@ -27,7 +34,7 @@ pub use gguf::{MAX_VOCAB, SUPPORTED_PRE};
 pub use stream::TextStream;
 
 /// The tokenizer fields of a GGUF file's metadata (`tokenizer.ggml.*`).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GgufVocab {
     /// `tokenizer.ggml.model`, e.g. `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE).
     pub model: String,
@@ -62,12 +69,30 @@ pub struct SpecialTokens {
     pub add_bos: bool,
 }
 
+/// A tokenizer as a `.lsm` header stores it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum StoredTokenizer {
+    /// A GGUF vocabulary (rebuilt with the engine's own BPE).
+    Vocab(GgufVocab),
+    /// `tokenizer.json` text (rebuilt with the `tokenizers` crate).
+    Json(String),
+}
+
+/// Which implementation encodes and decodes.
+#[derive(Clone)]
+enum Backend {
+    /// The engine's compact BPE over a GGUF vocabulary.
+    Gguf(std::sync::Arc<bpe::Bpe>),
+    /// The `tokenizers` crate over a `tokenizer.json`.
+    Json(Box<tokenizers::Tokenizer>),
+}
+
 /// A model's tokenizer.
 ///
 /// Invariants: every id in `specials` is `< vocab_size`; `special_ids` is sorted.
 #[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    backend: Backend,
     specials: SpecialTokens,
     /// One past the largest id the tokenizer knows (model vocabulary and added tokens).
     vocab_size: usize,
@@ -102,7 +127,12 @@ impl Tokenizer {
     /// naming missing tokens, ids out of range, an unknown `pre`) is an [`Error::Tokenizer`]
     /// naming what is wrong; it never panics.
     pub fn from_gguf(v: &GgufVocab) -> Result<Tokenizer> {
-        let (inner, merges) = gguf::build(v)?;
+        Tokenizer::from_vocab(v, Tokenizer::gguf_specials(v))
+    }
+
+    /// The special ids [`Tokenizer::from_gguf`] gives `v`: its bos, its eos and every control
+    /// token spelled like an end-of-turn marker.
+    fn gguf_specials(v: &GgufVocab) -> SpecialTokens {
         // Chat models end a turn with their own marker, which the metadata's one eos id often is
         // not (Gemma: `<eos>` is 1, a turn ends with `<end_of_turn>`): as llama.cpp does, a
         // control token spelled like a known end-of-turn marker stops generation too.
@@ -115,28 +145,54 @@ impl Tokenizer {
                 eos.push(i as u32);
             }
         }
-        let specials = SpecialTokens {
+        SpecialTokens {
             bos: v.bos,
             eos,
             add_bos: v.add_bos,
-        };
-        Tokenizer::assemble(inner, specials, merges)
-    }
-
-    /// How many BPE merges [`Tokenizer::from_gguf`] builds for `v` (the merges it lists; for a
-    /// SentencePiece vocabulary, every split of a token into two tokens), for estimates that
-    /// read only a file's header.
-    pub fn gguf_merge_count(v: &GgufVocab) -> usize {
-        match v.model.as_str() {
-            "llama" => spm::merge_count(&v.tokens),
-            _ => v.merges.len(),
         }
     }
 
-    /// How many added (control and user-defined) tokens [`Tokenizer::from_gguf`] registers for
-    /// `v`, for the same estimates.
-    pub fn gguf_added_count(v: &GgufVocab) -> usize {
-        gguf::added_tokens(v).count()
+    /// Builds the engine's BPE for `v` with the given special ids (a `.lsm` header stores
+    /// them next to the vocabulary).
+    fn from_vocab(v: &GgufVocab, specials: SpecialTokens) -> Result<Tokenizer> {
+        gguf::check_common(v)?;
+        let bpe = bpe::Bpe::new(v)?;
+        let vocab_size = bpe.vocab_size();
+        let control = (0..vocab_size as u32).filter(|&id| bpe.is_control(id));
+        let control: Vec<u32> = control
+            .filter_map(|id| bpe.id_to_token(id).and_then(|t| bpe.token_to_id(&t)))
+            .collect();
+        let heap = bpe.heap_bytes();
+        Tokenizer::assemble(
+            Backend::Gguf(std::sync::Arc::new(bpe)),
+            vocab_size,
+            control,
+            specials,
+            heap,
+        )
+    }
+
+    /// Rebuilds a tokenizer from what [`Tokenizer::stored`] gave.
+    pub fn from_stored(stored: &StoredTokenizer, specials: SpecialTokens) -> Result<Tokenizer> {
+        match stored {
+            StoredTokenizer::Vocab(v) => Tokenizer::from_vocab(v, specials),
+            StoredTokenizer::Json(json) => Tokenizer::from_json(json, specials),
+        }
+    }
+
+    /// What a `.lsm` header keeps of this tokenizer (with [`Tokenizer::specials`] beside it).
+    pub fn stored(&self) -> Result<StoredTokenizer> {
+        Ok(match &self.backend {
+            Backend::Gguf(bpe) => StoredTokenizer::Vocab(bpe.to_vocab(&self.specials, bpe.unk())),
+            Backend::Json(_) => StoredTokenizer::Json(self.to_json()?),
+        })
+    }
+
+    /// Heap bytes [`Tokenizer::from_gguf`] would report for `v`, at most (memory estimates
+    /// that read only a file's header).
+    pub fn gguf_heap_bytes_bound(v: &GgufVocab) -> u64 {
+        // Special ids: the control tokens and bos/eos, 4 bytes each.
+        bpe::Bpe::heap_bytes_bound(v) + 4 * (gguf::added_tokens(v).count() as u64 + 8)
     }
 
     /// Loads `tokenizer.json` text (with special tokens given by the caller, from config files
@@ -150,12 +206,12 @@ impl Tokenizer {
             Error::Tokenizer("tokenizer.json could not be loaded (parser panicked)".into())
         })?;
         let inner = parsed.map_err(|e| Error::Tokenizer(format!("tokenizer.json: {e}")))?;
-        Tokenizer::assemble(inner, specials, merges)
+        Tokenizer::from_crate(inner, specials, merges)
     }
 
-    /// Checks `specials` against the vocabulary and caches the lookups `is_special` needs;
-    /// `merges` is how many BPE merges `inner` holds (the crate keeps its table private).
-    fn assemble(
+    /// Wraps a `tokenizers` tokenizer holding `merges` BPE merges (the crate keeps its table
+    /// private, so its heap is estimated from its vocabulary).
+    fn from_crate(
         inner: tokenizers::Tokenizer,
         specials: SpecialTokens,
         merges: usize,
@@ -166,6 +222,39 @@ impl Tokenizer {
         let added = inner.get_added_vocabulary().len();
         let heap_bytes = Tokenizer::heap_bytes_bound(vocab.len(), strings, merges, added);
         drop(vocab);
+        let control: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        Tokenizer::assemble(
+            Backend::Json(Box::new(inner)),
+            vocab_size,
+            control,
+            specials,
+            heap_bytes,
+        )
+    }
+
+    /// The `tokenizers` crate's tokenizer for a GGUF vocabulary: the reference the engine's
+    /// own BPE ([`Tokenizer::from_gguf`]) is tested against, id for id. Not for serving: it
+    /// holds several times the memory.
+    pub fn from_gguf_with_crate(v: &GgufVocab) -> Result<Tokenizer> {
+        gguf::check_common(v)?;
+        let (inner, merges) = gguf::build(v)?;
+        Tokenizer::from_crate(inner, Tokenizer::gguf_specials(v), merges)
+    }
+
+    /// Checks `specials` against the vocabulary and caches the lookups `is_special` needs
+    /// (`control`: the control tokens' ids).
+    fn assemble(
+        backend: Backend,
+        vocab_size: usize,
+        control: Vec<u32>,
+        specials: SpecialTokens,
+        heap_bytes: u64,
+    ) -> Result<Tokenizer> {
         let ids = specials.bos.iter().chain(specials.eos.iter());
         for &id in ids.clone() {
             if id as usize >= vocab_size {
@@ -179,17 +268,12 @@ impl Tokenizer {
                 "add_bos is set but there is no bos token".into(),
             ));
         }
-        let mut special_ids: Vec<u32> = inner
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(&id, _)| id)
-            .chain(ids.copied())
-            .collect();
+        let mut special_ids: Vec<u32> = control.into_iter().chain(ids.copied()).collect();
         special_ids.sort_unstable();
         special_ids.dedup();
+        special_ids.shrink_to_fit();
         Ok(Tokenizer {
-            inner,
+            backend,
             specials,
             vocab_size,
             heap_bytes: heap_bytes + (special_ids.capacity() * 4) as u64,
@@ -197,9 +281,10 @@ impl Tokenizer {
         })
     }
 
-    /// Heap bytes this tokenizer holds, estimated: the tokenizers crate does not report its
-    /// size. The estimate is [`Tokenizer::heap_bytes_bound`] of its vocabulary, checked against
-    /// a counting allocator that counts what malloc holds for each block (`tests/model_bytes.rs`).
+    /// Heap bytes this tokenizer holds: for a GGUF vocabulary the sizes of the engine's BPE
+    /// tables; for a `tokenizer.json`, estimated (the tokenizers crate does not report its
+    /// size) as [`Tokenizer::heap_bytes_bound`] of its vocabulary. Both are checked against a
+    /// counting allocator that counts what malloc holds for each block (`tests/model_bytes.rs`).
     /// Not counted: the crate's encode cache, which grows with use (bounded by the crate,
     /// 10 000 words).
     pub fn heap_bytes(&self) -> u64 {
@@ -234,12 +319,29 @@ impl Tokenizer {
             + (64 << 10)) as u64
     }
 
-    /// Serialises to `tokenizer.json` form (stored inside `.lsm` files). The special ids are
-    /// not part of it: store [`Tokenizer::specials`] alongside.
+    /// Serialises to `tokenizer.json` form. The special ids are not part of it: store
+    /// [`Tokenizer::specials`] alongside. A GGUF vocabulary goes through the `tokenizers`
+    /// crate's tokenizer built from it (a transient of several times the engine's tables).
     pub fn to_json(&self) -> Result<String> {
-        self.inner
-            .to_string(false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        let json = |t: &tokenizers::Tokenizer| {
+            t.to_string(false)
+                .map_err(|e| Error::Tokenizer(e.to_string()))
+        };
+        match &self.backend {
+            Backend::Gguf(bpe) => json(&gguf::build(&bpe.to_vocab(&self.specials, bpe.unk()))?.0),
+            Backend::Json(inner) => json(inner),
+        }
+    }
+
+    /// Whether token texts are byte-level (GPT-2's byte chars) rather than SentencePiece's.
+    fn is_byte_level(&self) -> bool {
+        match &self.backend {
+            Backend::Gguf(bpe) => bpe.is_byte_level(),
+            Backend::Json(inner) => matches!(
+                inner.get_decoder(),
+                Some(tokenizers::DecoderWrapper::ByteLevel(_))
+            ),
+        }
     }
 
     /// The ids with a meaning to generation.
@@ -256,12 +358,18 @@ impl Tokenizer {
     /// The token text of `id` as stored in the vocabulary (byte-level tokens in their mapped
     /// form, e.g. `Ġthe`), or `None` for an unknown id.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        match &self.backend {
+            Backend::Gguf(bpe) => bpe.id_to_token(id),
+            Backend::Json(inner) => inner.id_to_token(id),
+        }
     }
 
     /// The id of a token text exactly as stored in the vocabulary (e.g. `<|im_end|>`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.backend {
+            Backend::Gguf(bpe) => bpe.token_to_id(token),
+            Backend::Json(inner) => inner.token_to_id(token),
+        }
     }
 
     /// Whether `id` is a control token (GGUF type 3, or an added token marked special) or one
@@ -279,16 +387,19 @@ impl Tokenizer {
     /// written in the text (e.g. `<|im_start|>`) are recognised as single ids, so text from an
     /// untrusted user should be checked or escaped before it is put into a prompt.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let ids = enc.get_ids();
-        let mut out = Vec::with_capacity(ids.len() + 1);
+        let mut out = Vec::new();
         if self.specials.add_bos {
             out.extend(self.specials.bos);
         }
-        out.extend_from_slice(ids);
+        match &self.backend {
+            Backend::Gguf(bpe) => out.extend(bpe.encode(text)?),
+            Backend::Json(inner) => {
+                let enc = inner
+                    .encode(text, false)
+                    .map_err(|e| Error::Tokenizer(e.to_string()))?;
+                out.extend_from_slice(enc.get_ids());
+            }
+        }
         Ok(out)
     }
 
@@ -301,9 +412,12 @@ impl Tokenizer {
                 self.vocab_size
             )));
         }
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        match &self.backend {
+            Backend::Gguf(bpe) => Ok(bpe.decode(ids)),
+            Backend::Json(inner) => inner
+                .decode(ids, false)
+                .map_err(|e| Error::Tokenizer(e.to_string())),
+        }
     }
 
     /// A streaming decoder for one generation: push ids as they are sampled, get text back as
@@ -315,5 +429,7 @@ impl Tokenizer {
 
 #[cfg(test)]
 pub(crate) mod fixtures;
+#[cfg(test)]
+mod oracle_tests;
 #[cfg(test)]
 mod tests;

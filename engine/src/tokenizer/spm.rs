@@ -35,13 +35,6 @@ fn splits<'a>(
     })
 }
 
-/// How many merges [`build`] derives from `tokens`, without building the tokenizer (memory
-/// estimates read it from a file's header).
-pub(super) fn merge_count(tokens: &[String]) -> usize {
-    let vocab = vocab_map(tokens);
-    tokens.iter().map(|t| splits(t, &vocab).count()).sum()
-}
-
 /// Builds the tokenizer and counts its merges; `check_common` has already run on `v`.
 pub(super) fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
     let n = v.tokens.len();

@@ -107,3 +107,56 @@ fn smollm2_chat_template_renders_chatml() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(ids.ends_with(&CHAT_IDS), "{ids:?}");
 }
+
+/// The engine's BPE against the `tokenizers` crate built from the same metadata, on a real
+/// vocabulary: every id's text and bytes, and the ids of the calibration and held-out texts,
+/// line by line, and of the chat-formatted prompt.
+fn engine_bpe_matches_the_crate(path: &std::path::Path, chat: &str) {
+    let file = gguf::GgufFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let vocab = gguf::GgufModel::from_file(&file)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .vocab;
+    let ours = Tokenizer::from_gguf(&vocab).unwrap_or_else(|e| panic!("{e}"));
+    let theirs = Tokenizer::from_gguf_with_crate(&vocab).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(ours.vocab_size(), theirs.vocab_size());
+    assert_eq!(ours.specials(), theirs.specials());
+    for id in 0..ours.vocab_size() as u32 {
+        assert_eq!(ours.id_to_token(id), theirs.id_to_token(id), "id {id}");
+        assert_eq!(ours.is_special(id), theirs.is_special(id), "id {id}");
+    }
+    assert!(ours.token_bytes() == theirs.token_bytes(), "token bytes differ");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/text");
+    let mut checked = 0;
+    for name in ["calibration.txt", "heldout-eval.txt"] {
+        let text = std::fs::read_to_string(root.join(name)).unwrap_or_else(|e| panic!("{e}"));
+        for line in text.lines().chain([text.as_str(), chat]) {
+            let (a, b) = (ours.encode(line), theirs.encode(line));
+            let (a, b) = (a.unwrap_or_else(|e| panic!("{e}")), b.unwrap_or_else(|e| panic!("{e}")));
+            assert_eq!(a, b, "{name}: {line:?}");
+            assert_eq!(ours.decode(&a).ok(), theirs.decode(&b).ok(), "{name}: {line:?}");
+            checked += a.len();
+        }
+    }
+    assert!(checked > 10_000, "only {checked} ids compared");
+    assert!(
+        ours.heap_bytes() * 4 < theirs.heap_bytes(),
+        "the engine's BPE holds {} bytes, the crate about {}",
+        ours.heap_bytes(),
+        theirs.heap_bytes()
+    );
+}
+
+#[test]
+fn smollm2_engine_bpe_gives_the_crates_ids_on_real_text() {
+    engine_bpe_matches_the_crate(&model_path(), CHAT);
+}
+
+#[test]
+fn gemma3_engine_bpe_gives_the_crates_ids_on_real_text() {
+    let path = leanstream_engine::testing::gemma_model();
+    assert!(path.is_file(), "{} is missing: run scripts/fetch-model", path.display());
+    engine_bpe_matches_the_crate(
+        &path,
+        "<start_of_turn>user\nWhat is  the capital\tof France?<end_of_turn>\n<start_of_turn>model\n",
+    );
+}

@@ -41,7 +41,7 @@ use super::{
     Down, FfnWeights, ImportedModel, ModelConfig, QRows, Residency, TensorBytes, TensorRef, Weights,
 };
 use crate::quant::DType;
-use crate::tokenizer::{SpecialTokens, Tokenizer};
+use crate::tokenizer::{GgufVocab, SpecialTokens, StoredTokenizer, Tokenizer};
 use crate::{Error, Result};
 
 pub use calibration::{
@@ -129,8 +129,13 @@ impl FfnLayout {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Header {
     pub config: ModelConfig,
-    /// The tokenizer as `tokenizer.json` text.
+    /// The tokenizer as `tokenizer.json` text; empty when `tokenizer_vocab` holds it.
+    #[serde(default)]
     pub tokenizer_json: String,
+    /// The tokenizer as the GGUF vocabulary it was built from (files converted from a GGUF;
+    /// absent in files written before the engine had its own BPE, which keep the JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_vocab: Option<GgufVocab>,
     pub special_tokens: SpecialTokens,
     pub chat_template: Option<String>,
     /// File name of the model this was converted from.
@@ -143,6 +148,24 @@ pub struct Header {
     /// read with [`LsmFile::calibration`].
     #[serde(default)]
     pub calibration: Option<Calibration>,
+}
+
+impl Header {
+    /// The tokenizer as stored: the vocabulary when there is one, else the JSON text.
+    pub fn stored_tokenizer(&self) -> StoredTokenizer {
+        match &self.tokenizer_vocab {
+            Some(v) => StoredTokenizer::Vocab(v.clone()),
+            None => StoredTokenizer::Json(self.tokenizer_json.clone()),
+        }
+    }
+
+    /// The two tokenizer fields for `stored`: `(tokenizer_json, tokenizer_vocab)`.
+    pub fn tokenizer_fields(stored: StoredTokenizer) -> (String, Option<GgufVocab>) {
+        match stored {
+            StoredTokenizer::Vocab(v) => (String::new(), Some(v)),
+            StoredTokenizer::Json(json) => (json, None),
+        }
+    }
 }
 
 /// An opened `.lsm` file: its header and its bytes.
@@ -391,8 +414,8 @@ impl LsmFile {
 
     /// Builds the tokenizer stored in the header.
     pub fn tokenizer(&self) -> Result<Tokenizer> {
-        Tokenizer::from_json(
-            &self.header.tokenizer_json,
+        Tokenizer::from_stored(
+            &self.header.stored_tokenizer(),
             self.header.special_tokens.clone(),
         )
     }

@@ -183,9 +183,11 @@ pub fn convert(
     let chunks = n_ff.div_ceil(k);
 
     // The header with the widest numbers bounds the real one: reserve that much.
+    let (tokenizer_json, tokenizer_vocab) = Header::tokenizer_fields(src.tokenizer.stored()?);
     let mut header = Header {
         config: c.clone(),
-        tokenizer_json: src.tokenizer.to_json()?,
+        tokenizer_json,
+        tokenizer_vocab,
         special_tokens: src.tokenizer.specials().clone(),
         chat_template: src.chat_template.clone(),
         source: src

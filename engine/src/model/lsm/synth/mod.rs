@@ -375,6 +375,7 @@ pub fn synthesize(
     let mut header = Header {
         config: config.clone(),
         tokenizer_json,
+        tokenizer_vocab: None,
         special_tokens: tokenizer.specials.clone(),
         chat_template: tokenizer.chat_template.clone(),
         source: format!(
