@@ -321,7 +321,11 @@ impl Bpe {
                 ))
             })?;
             super::gguf::check_merge(rank, a, b, |t| strings.id(t).is_some())?;
-            let id = |t: &str| strings.id(t).unwrap_or_else(|| unreachable!("checked above"));
+            let id = |t: &str| {
+                strings
+                    .id(t)
+                    .unwrap_or_else(|| unreachable!("checked above"))
+            };
             let key = u64::from(id(a)) << 32 | u64::from(id(b));
             merges.push((key, rank as u32, id(&format!("{a}{b}"))));
         }
@@ -472,8 +476,7 @@ impl Bpe {
                 let mut pts = PreTokenizedString::from(piece);
                 pre.pre_tokenize(&mut pts)
                     .map_err(|e| Error::Tokenizer(format!("pre-tokenizer: {e}")))?;
-                for (word, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::Byte)
-                {
+                for (word, _, _) in pts.get_splits(OffsetReferential::Original, OffsetType::Byte) {
                     match self.strings.id(word) {
                         Some(id) if *ignore_merges => ids.push(id),
                         _ => self.merge_word(word, ids),
@@ -496,7 +499,10 @@ impl Bpe {
                 out.push(id);
                 continue;
             }
-            if let Model::SentencePiece { byte_ids, unk: u, .. } = &self.model {
+            if let Model::SentencePiece {
+                byte_ids, unk: u, ..
+            } = &self.model
+            {
                 let bytes: Option<Vec<u32>> = s.bytes().map(|b| byte_ids[usize::from(b)]).collect();
                 if let Some(bytes) = bytes {
                     // As the crate does, a pending unknown token waits until the next known
@@ -654,7 +660,12 @@ impl Bpe {
                 add_space_prefix,
                 scores,
                 ..
-            } => ("llama", Vec::new(), scores.to_vec(), Some(*add_space_prefix)),
+            } => (
+                "llama",
+                Vec::new(),
+                scores.to_vec(),
+                Some(*add_space_prefix),
+            ),
         };
         GgufVocab {
             model: model.into(),

@@ -90,11 +90,15 @@ fn same(name: &str, ours: &Tokenizer, theirs: &Tokenizer, text: &str) -> Result<
     let a = ours.encode(text).map_err(|e| e.to_string())?;
     let b = theirs.encode(text).map_err(|e| e.to_string())?;
     if a != b {
-        return Err(format!("{name}: {text:?} encodes to {a:?}, the crate to {b:?}"));
+        return Err(format!(
+            "{name}: {text:?} encodes to {a:?}, the crate to {b:?}"
+        ));
     }
     let (da, db) = (ours.decode(&a), theirs.decode(&b));
     if da.as_ref().ok() != db.as_ref().ok() {
-        return Err(format!("{name}: {text:?} decodes to {da:?}, the crate to {db:?}"));
+        return Err(format!(
+            "{name}: {text:?} decodes to {da:?}, the crate to {db:?}"
+        ));
     }
     Ok(())
 }
@@ -127,9 +131,21 @@ fn the_engine_bpe_gives_the_crates_ids_on_every_vocabulary_kind() {
             same(&name, &ours, &theirs, text).unwrap_or_else(|e| panic!("{e}"));
         }
         for id in 0..ours.vocab_size() as u32 {
-            assert_eq!(ours.id_to_token(id), theirs.id_to_token(id), "{name}: id {id}");
-            assert_eq!(ours.is_special(id), theirs.is_special(id), "{name}: id {id}");
-            assert_eq!(ours.decode(&[id]).ok(), theirs.decode(&[id]).ok(), "{name}: {id}");
+            assert_eq!(
+                ours.id_to_token(id),
+                theirs.id_to_token(id),
+                "{name}: id {id}"
+            );
+            assert_eq!(
+                ours.is_special(id),
+                theirs.is_special(id),
+                "{name}: id {id}"
+            );
+            assert_eq!(
+                ours.decode(&[id]).ok(),
+                theirs.decode(&[id]).ok(),
+                "{name}: {id}"
+            );
         }
         assert_eq!(ours.token_bytes(), theirs.token_bytes(), "{name}");
     }
@@ -141,11 +157,14 @@ fn a_stored_vocabulary_rebuilds_the_same_tokenizer() {
         let t = Tokenizer::from_gguf(&v).unwrap_or_else(|e| panic!("{e}"));
         let stored = t.stored().unwrap_or_else(|e| panic!("{e}"));
         assert!(matches!(stored, StoredTokenizer::Vocab(_)), "{name}");
-        let back = Tokenizer::from_stored(&stored, t.specials().clone())
-            .unwrap_or_else(|e| panic!("{e}"));
+        let back =
+            Tokenizer::from_stored(&stored, t.specials().clone()).unwrap_or_else(|e| panic!("{e}"));
         // Through JSON too (the crate's form of the same vocabulary).
-        let json = Tokenizer::from_json(&t.to_json().unwrap_or_else(|e| panic!("{e}")), t.specials().clone())
-            .unwrap_or_else(|e| panic!("{e}"));
+        let json = Tokenizer::from_json(
+            &t.to_json().unwrap_or_else(|e| panic!("{e}")),
+            t.specials().clone(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
         for text in TEXTS {
             same(&name, &t, &back, text).unwrap_or_else(|e| panic!("{e}"));
             same(&name, &t, &json, text).unwrap_or_else(|e| panic!("{e}"));
@@ -159,15 +178,44 @@ fn the_engine_bpe_holds_less_than_the_crates_estimate() {
     for (name, v) in vocabularies() {
         let (ours, theirs) = build(&v);
         assert!(ours.heap_bytes() < theirs.heap_bytes(), "{name}");
-        assert!(ours.heap_bytes() <= Tokenizer::gguf_heap_bytes_bound(&v), "{name}");
+        assert!(
+            ours.heap_bytes() <= Tokenizer::gguf_heap_bytes_bound(&v),
+            "{name}"
+        );
     }
 }
 
 /// Text from pieces that meet the vocabularies' merges, specials and odd characters.
 fn text() -> impl Strategy<Value = String> {
     let piece = prop::sample::select(vec![
-        "a", "b", "c", "h", "e", "l", "o", "w", "t", " ", "  ", "\n", "1", "2", "3", "'", "s",
-        "é", "☃", "<", ">", "<b>", "<think>", "<|im", "<|im_end|>", "hello", "▁", "\t",
+        "a",
+        "b",
+        "c",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "t",
+        " ",
+        "  ",
+        "\n",
+        "1",
+        "2",
+        "3",
+        "'",
+        "s",
+        "é",
+        "☃",
+        "<",
+        ">",
+        "<b>",
+        "<think>",
+        "<|im",
+        "<|im_end|>",
+        "hello",
+        "▁",
+        "\t",
     ]);
     prop::collection::vec(piece, 0..24).prop_map(|p| p.concat())
 }

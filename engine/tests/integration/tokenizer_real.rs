@@ -124,16 +124,26 @@ fn engine_bpe_matches_the_crate(path: &std::path::Path, chat: &str) {
         assert_eq!(ours.id_to_token(id), theirs.id_to_token(id), "id {id}");
         assert_eq!(ours.is_special(id), theirs.is_special(id), "id {id}");
     }
-    assert!(ours.token_bytes() == theirs.token_bytes(), "token bytes differ");
+    assert!(
+        ours.token_bytes() == theirs.token_bytes(),
+        "token bytes differ"
+    );
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/text");
     let mut checked = 0;
     for name in ["calibration.txt", "heldout-eval.txt"] {
         let text = std::fs::read_to_string(root.join(name)).unwrap_or_else(|e| panic!("{e}"));
         for line in text.lines().chain([text.as_str(), chat]) {
             let (a, b) = (ours.encode(line), theirs.encode(line));
-            let (a, b) = (a.unwrap_or_else(|e| panic!("{e}")), b.unwrap_or_else(|e| panic!("{e}")));
+            let (a, b) = (
+                a.unwrap_or_else(|e| panic!("{e}")),
+                b.unwrap_or_else(|e| panic!("{e}")),
+            );
             assert_eq!(a, b, "{name}: {line:?}");
-            assert_eq!(ours.decode(&a).ok(), theirs.decode(&b).ok(), "{name}: {line:?}");
+            assert_eq!(
+                ours.decode(&a).ok(),
+                theirs.decode(&b).ok(),
+                "{name}: {line:?}"
+            );
             checked += a.len();
         }
     }
@@ -154,7 +164,11 @@ fn smollm2_engine_bpe_gives_the_crates_ids_on_real_text() {
 #[test]
 fn gemma3_engine_bpe_gives_the_crates_ids_on_real_text() {
     let path = leanstream_engine::testing::gemma_model();
-    assert!(path.is_file(), "{} is missing: run scripts/fetch-model", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/fetch-model",
+        path.display()
+    );
     engine_bpe_matches_the_crate(
         &path,
         "<start_of_turn>user\nWhat is  the capital\tof France?<end_of_turn>\n<start_of_turn>model\n",
