@@ -173,7 +173,10 @@ impl AddedSet {
             .keys()
             .map(|t| super::Tokenizer::malloc_block(t.len()))
             .sum();
-        (entries + self.by_text.capacity() * 25 + self.lengths.capacity() * 8) as u64
+        // hashbrown holds a power of two of buckets, 8/7 of its capacity, plus a group of control
+        // bytes.
+        let buckets = (self.by_text.capacity() * 8 / 7).next_power_of_two() + 16;
+        (entries + buckets * 25 + self.lengths.capacity() * 8) as u64
     }
 
     /// Splits `text` into pieces: `(None, piece)` for plain text, `(Some(id), _)` for an added
@@ -372,7 +375,10 @@ impl Bpe {
             Model::ByteLevel { merges, .. } => (merges.len() * 16) as u64 + (16 << 10),
             Model::SentencePiece { scores, .. } => (scores.len() * 4 + 256 * 8) as u64,
         };
-        Strings::heap_bytes(self.strings.len(), self.strings.bytes.len())
+        // The struct itself lives in an `Arc` (two counters beside it); each of its dozen
+        // tables is one allocation, which malloc rounds up to whole pages when it is large.
+        (std::mem::size_of::<Bpe>() + 16 + 12 * 4096) as u64
+            + Strings::heap_bytes(self.strings.len(), self.strings.bytes.len())
             + self.types.len() as u64
             + model
             + self.control.heap_bytes()
@@ -383,8 +389,8 @@ impl Bpe {
     /// header. Each added token is counted at [`ADDED_BOUND`] bytes.
     pub(super) fn heap_bytes_bound(v: &GgufVocab) -> u64 {
         /// One added token: its boxed text (up to 64 bytes of malloc block), its share of a
-        /// hash map at most 8/7 · 2 full (key, value, control byte).
-        const ADDED_BOUND: u64 = 64 + 2 * 25 + 8;
+        /// hash map's buckets (at least 7/16 full: 25 bytes each) and its length entry.
+        const ADDED_BOUND: u64 = 64 + 64 + 8;
         let text: usize = v.tokens.iter().map(String::len).sum();
         let n = v.tokens.len();
         let model = match v.model.as_str() {
@@ -392,7 +398,7 @@ impl Bpe {
             _ => (v.merges.len() * 16) as u64 + (16 << 10),
         };
         let added = super::gguf::added_tokens(v).count() as u64;
-        Strings::heap_bytes(n, text) + n as u64 + model + added * ADDED_BOUND + (4 << 10)
+        Strings::heap_bytes(n, text) + n as u64 + model + added * ADDED_BOUND + (64 << 10)
     }
 
     pub(super) fn vocab_size(&self) -> usize {
