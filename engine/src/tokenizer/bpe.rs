@@ -416,14 +416,20 @@ impl Bpe {
     /// The text a token stands for in decoding: its vocabulary text, or for a user-defined
     /// token its normalised form (the crate's added vocabulary decodes it so).
     pub(super) fn id_to_token(&self, id: u32) -> Option<String> {
+        self.token_text(id).map(std::borrow::Cow::into_owned)
+    }
+
+    /// [`Bpe::id_to_token`] without a copy for the tokens whose text is stored as is (decoding
+    /// runs per generated token).
+    fn token_text(&self, id: u32) -> Option<std::borrow::Cow<'_, str>> {
         if id as usize >= self.strings.len() {
             return None;
         }
         let text = self.strings.get(id);
         Some(if self.types[id as usize] == TYPE_USER_DEFINED {
-            self.normalize(text)
+            self.normalize(text).into()
         } else {
-            text.to_string()
+            text.into()
         })
     }
 
@@ -499,8 +505,9 @@ impl Bpe {
         let mut out = Vec::with_capacity(word.len());
         let mut unk: Option<u32> = None;
         for c in word.chars() {
-            let s = c.encode_utf8(&mut [0; 4]).to_string();
-            if let Some(id) = self.strings.id(&s) {
+            let mut utf8 = [0; 4];
+            let s: &str = c.encode_utf8(&mut utf8);
+            if let Some(id) = self.strings.id(s) {
                 out.extend(unk.take());
                 out.push(id);
                 continue;
@@ -605,7 +612,7 @@ impl Bpe {
             Model::ByteLevel { .. } => {
                 let mut bytes = Vec::with_capacity(ids.len() * 4);
                 for &id in ids {
-                    let text = self.id_to_token(id).unwrap_or_default();
+                    let text = self.token_text(id).unwrap_or_default();
                     super::bytes::byte_level_token(&text, &mut bytes);
                 }
                 String::from_utf8_lossy(&bytes).into_owned()
@@ -626,7 +633,7 @@ impl Bpe {
                     run.clear();
                 };
                 for &id in ids {
-                    let text = self.id_to_token(id).unwrap_or_default();
+                    let text = self.token_text(id).unwrap_or_default();
                     match super::bytes::byte_token(&text) {
                         Some(b) => run.push(b),
                         None => {
