@@ -79,3 +79,19 @@ pub fn sentencepiece_vocab(pieces: &[(&str, f32)]) -> GgufVocab {
         ..GgufVocab::default()
     }
 }
+
+/// SentencePiece pieces spelling "hello" and " w", with their scores.
+pub const HELLO_PIECES: &[(&str, f32)] = &[
+    ("▁", -1.0),
+    ("h", -2.0),
+    ("e", -2.0),
+    ("l", -2.0),
+    ("o", -2.0),
+    ("w", -2.0),
+    ("ll", -3.0),
+    ("he", -4.0),
+    ("hell", -5.0),
+    ("hello", -6.0),
+    ("▁hello", -7.0),
+    ("▁w", -8.0),
+];

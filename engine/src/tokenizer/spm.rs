@@ -101,25 +101,12 @@ pub(super) fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
 
 #[cfg(test)]
 mod tests {
-    use crate::tokenizer::fixtures::sentencepiece_vocab;
+    use crate::tokenizer::fixtures::{HELLO_PIECES, sentencepiece_vocab};
     use crate::tokenizer::{GgufVocab, Tokenizer};
 
     /// The synthetic SentencePiece vocabulary with the pieces of "hello" and " w".
     fn vocab() -> GgufVocab {
-        sentencepiece_vocab(&[
-            ("▁", -1.0),
-            ("h", -2.0),
-            ("e", -2.0),
-            ("l", -2.0),
-            ("o", -2.0),
-            ("w", -2.0),
-            ("ll", -3.0),
-            ("he", -4.0),
-            ("hell", -5.0),
-            ("hello", -6.0),
-            ("▁hello", -7.0),
-            ("▁w", -8.0),
-        ])
+        sentencepiece_vocab(HELLO_PIECES)
     }
 
     fn tok() -> Tokenizer {
