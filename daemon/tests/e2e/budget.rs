@@ -182,7 +182,9 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
         if std::fs::hard_link(&lsm, &target).is_err() {
             std::fs::copy(&lsm, &target)?;
         }
-        add_model(&daemon, "third")?;
+        for name in ["third", "fourth", "fifth"] {
+            add_model(&daemon, name)?;
+        }
         let limit = budget + PROCESS_OVERHEAD_BYTES;
 
         // Sample RSS and the ledger every 100 ms until told to stop.
@@ -273,12 +275,28 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
         // Unloaded models' memory is handed back a moment after the unload.
         settled_memory(&quiet).await?;
         quiet.manager.load_model(MODEL).await?;
-        let before = ledger(settled_memory(&quiet).await?);
+        // Models load one after another until one does not fit: a 200 MiB budget holds at most
+        // two copies of the ~100 MB model, so the refusal comes by the third of these.
+        // Each load comes from its own client (kept connected so its pin holds), as a client may
+        // pin only a few models.
+        let (mut refused, mut loaders) = (None, Vec::new());
+        for name in ["third", "fourth", "fifth"] {
+            let before = ledger(settled_memory(&quiet).await?);
+            let client = Client::new(&bus).await?;
+            let answer = error_name(client.manager.load_model(name).await);
+            loaders.push(client);
+            if answer != "ok: ()" {
+                assert_eq!(answer, "OverBudget", "loading {name}");
+                refused = Some((name, before));
+                break;
+            }
+        }
+        let (name, before) = refused.expect("one of three more models is refused");
         assert_eq!(
-            error_name(quiet.manager.load_model("third").await),
-            "OverBudget"
+            ledger(quiet.manager.memory().await?),
+            before,
+            "the refused load of {name} left the ledger as it was"
         );
-        assert_eq!(ledger(quiet.manager.memory().await?), before);
 
         stop.store(true, Ordering::Relaxed);
         let (peak_rss, peak_used, samples, _) = sampler.await??;
