@@ -225,28 +225,66 @@ impl Session {
     }
 
     /// Runs one token like [`Session::forward`], with each layer's FFN computed by `exec` instead
-    /// of the dense FFN: the sparse and streaming pipelines plug in here, and calibration uses it to
-    /// observe FFN inputs. Attention, the KV cache and the output head are the same as the dense
-    /// path's.
+    /// of the dense FFN: the sparse and streaming pipelines plug in here. Attention, the KV cache
+    /// and the output head are the same as the dense path's.
     pub fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         self.check_tokens(&[token])?;
         self.grow_kv(1)?;
+        self.embed(&[token])?;
+        self.layers_with(1, exec)?;
+        self.pos += 1;
+        self.head(0)
+    }
+
+    /// Runs `tokens` at the next positions like [`Session::forward_batch`] (attention batched per
+    /// [`MAX_BATCH`] tokens), with each layer's FFN computed by `exec` one token at a time, and
+    /// hands the logits of every token, in order, to `logits(i, …)`. Calibration observes and
+    /// changes the FFN through it. For a batch, `exec.begin_layer` is called for each of its
+    /// tokens before the layer's attention.
+    pub fn forward_batch_with(
+        &mut self,
+        tokens: &[u32],
+        exec: &mut dyn FfnExecutor,
+        logits: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.check_tokens(tokens)?;
+        self.grow_kv(tokens.len())?;
+        for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
+            self.embed(batch)?;
+            self.layers_with(batch.len(), exec)?;
+            self.pos += batch.len();
+            for t in 0..batch.len() {
+                logits(b * MAX_BATCH + t, self.head(t)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every layer for the `n` tokens of a batch (already embedded), the FFN by `exec`.
+    fn layers_with(&mut self, n: usize, exec: &mut dyn FfnExecutor) -> Result<()> {
         let model = Arc::clone(&self.model);
         let d = model.weights.config.d_model;
         let eps = model.weights.config.rms_eps;
-        self.embed(&[token])?;
         for l in 0..model.weights.layers.len() {
             let layer = model.layer(l)?;
-            exec.begin_layer(l, &self.s.x[..d]);
-            self.attention(l, &layer, 1);
+            for x in self.s.x[..n * d].chunks_exact(d) {
+                exec.begin_layer(l, x);
+            }
+            self.attention(l, &layer, n);
             let s = &mut self.s;
-            cpu::rmsnorm(&mut s.xn[..d], &s.x[..d], &layer.ffn_norm, eps);
-            exec.ffn(l, &layer, &s.xn[..d], &mut s.proj[..d])?;
-            norm_rows(&layer.post_ffn_norm, &mut s.proj[..d], d, eps);
-            cpu::add_inplace(&mut s.x[..d], &s.proj[..d]);
+            for t in 0..n {
+                let (x, xn, out) = (
+                    &mut s.x[t * d..(t + 1) * d],
+                    &mut s.xn[t * d..(t + 1) * d],
+                    &mut s.proj[t * d..(t + 1) * d],
+                );
+                cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
+                exec.ffn(l, &layer, xn, out)?;
+                norm_rows(&layer.post_ffn_norm, out, d, eps);
+                cpu::add_inplace(x, out);
+            }
         }
-        self.pos += 1;
-        self.head(0)
+        Ok(())
     }
 
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does

@@ -1,9 +1,9 @@
 //! Dense FFN executors for calibration: the plain FFN with optional per-layer thresholds on `h`,
 //! and a collector that records every token's normalised FFN input.
 
-use super::window::FfnExecutor;
 use crate::Result;
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
+use crate::forward::FfnExecutor;
 use crate::model::{Down, FfnActivation, LayerWeights, ModelConfig};
 
 /// The dense FFN of one token with preallocated buffers.

@@ -1,7 +1,7 @@
 //! `leanstream calibrate`: thresholds, neuron statistics and predictors for sparse FFN execution,
 //! written into the `.lsm` file.
 //!
-//! 1. The dense model (exact precision, [`WindowForward`]) runs over the calibration text in
+//! 1. The engine's forward pass (exact precision, [`Windows`]) runs over the calibration text in
 //!    windows of at most [`CalibrateOptions::window`] tokens, recording every layer's normalised
 //!    FFN input `xn` ([`Collector`]).
 //! 2. Per layer, `h = act(gate·xn) * (up·xn)` is recomputed for every recorded token. The layer's
@@ -21,20 +21,22 @@
 mod ffn;
 mod layer;
 pub mod reorder;
-mod window;
+mod windows;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nalgebra::DMatrix;
 
 pub use ffn::{Collector, DenseFfn, Thresholded};
-pub use window::{FfnExecutor, WindowForward};
+pub use windows::Windows;
 
+use crate::forward::Model;
+use crate::model::FfnActivation;
 use crate::model::lsm::{
     CalTensor, Calibration, LsmFile, PredictorKind, PredictorMeta, write_calibrated,
 };
-use crate::model::{FfnActivation, Weights};
 use crate::predict::{Hashing, HashingParams, LowRank, LowRankParams, Predictor};
 use crate::sparsity::RecallCounter;
 use crate::{Error, Result};
@@ -141,46 +143,21 @@ pub struct CalibrateReport {
 /// its first token not predicted), exact precision, with `thresholds` applied to `h` when given.
 /// The sparse pipeline's quality oracle uses the same definition.
 pub fn perplexity(
-    w: &Weights,
+    model: &Arc<Model>,
     ids: &[u32],
     window: usize,
     thresholds: Option<&[f32]>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Perplexity> {
-    let mut fwd = WindowForward::new(w, window)?;
-    let mut exec = Thresholded::new(&w.config, thresholds.map(<[f32]>::to_vec));
-    run_windows(&mut fwd, ids, &mut exec, progress).map(|(nll, tokens)| Perplexity {
-        tokens,
-        nll,
-        sparsity: exec.zeroed as f64 / exec.seen.max(1) as f64,
-    })
-}
-
-/// Runs `ids` in windows; returns (mean NLL, predicted tokens).
-fn run_windows(
-    fwd: &mut WindowForward<'_>,
-    ids: &[u32],
-    exec: &mut dyn FfnExecutor,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(f64, usize)> {
-    let windows: Vec<&[u32]> = ids
-        .chunks(fwd.max_window())
-        .filter(|w| w.len() >= 2)
-        .collect();
-    if windows.is_empty() {
-        return Err(Error::InvalidArgument {
-            arg: "text",
-            reason: format!("{} tokens; at least 2 are needed", ids.len()),
-        });
-    }
-    let (mut nll, mut n) = (0f64, 0usize);
-    for (i, win) in windows.iter().enumerate() {
-        let (s, c) = fwd.run(win, exec)?;
-        nll += s;
-        n += c;
-        progress(i + 1, windows.len());
-    }
-    Ok((nll / n as f64, n))
+    let mut windows = Windows::new(model, window)?;
+    let mut exec = Thresholded::new(&model.weights.config, thresholds.map(<[f32]>::to_vec));
+    windows
+        .run(ids, &mut exec, progress)
+        .map(|(nll, tokens)| Perplexity {
+            tokens,
+            nll,
+            sparsity: exec.zeroed as f64 / exec.seen.max(1) as f64,
+        })
 }
 
 fn check(opts: &CalibrateOptions) -> Result<()> {
@@ -217,7 +194,14 @@ pub fn calibrate(
     let file = LsmFile::open(src)?;
     file.verify_streamed(src)?;
     let tok = file.tokenizer()?;
-    let w = file.weights(src, tok.clone())?;
+    let model = Arc::new(Model {
+        path: src.to_path_buf(),
+        weights: file.weights(src, tok.clone())?,
+        tokenizer: tok.clone(),
+        chat_template: None,
+        planned: None,
+    });
+    let w = &model.weights;
     let c = &w.config;
     let (d, n_ff) = (c.d_model, c.n_ff);
     let window = opts.window.clamp(2, c.context_length);
@@ -226,13 +210,11 @@ pub fn calibrate(
     let mut eval_ids = tok.encode(eval_text)?;
     eval_ids.truncate(opts.eval_tokens);
 
-    let mut fwd = WindowForward::new(&w, window)?;
+    let mut windows = Windows::new(&model, window)?;
     let mut calib = Collector::new(c, ids.len());
-    run_windows(&mut fwd, &ids, &mut calib, &mut |i, n| {
-        progress(Stage::Collect, i, n)
-    })?;
+    windows.run(&ids, &mut calib, &mut |i, n| progress(Stage::Collect, i, n))?;
     let mut held = Collector::new(c, eval_ids.len());
-    let (dense_nll, dense_n) = run_windows(&mut fwd, &eval_ids, &mut held, &mut |_, _| {})?;
+    let (dense_nll, dense_n) = windows.run(&eval_ids, &mut held, &mut |_, _| {})?;
 
     let mut lowrank = LowRank::new(opts.lowrank.rank, d, n_ff, c.activation);
     let mut hashing = Hashing::new(opts.hashing, d, n_ff);
@@ -301,7 +283,7 @@ pub fn calibrate(
     }
 
     progress(Stage::Evaluate, 0, 1);
-    let thresholded = perplexity(&w, &eval_ids, window, Some(&thresholds), &mut |i, n| {
+    let thresholded = perplexity(&model, &eval_ids, window, Some(&thresholds), &mut |i, n| {
         progress(Stage::Evaluate, i, n)
     })?;
     let dense = Perplexity {

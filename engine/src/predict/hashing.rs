@@ -7,7 +7,7 @@
 //! pre-activations most on calibration inputs, as in the low-rank predictor) and each offset `o_k` is the median of `p_k · xn` over the calibration tokens, so that
 //! every bit splits the calibration data in half (a balanced, maximum-entropy hash). Each neuron
 //! then has `b + 1` learned weights over the bits (the last one a bias), fitted in closed form by
-//! ridge regression of its activity indicator `[|h_i| > threshold]` on the ±1 bits; stage `s + 1`
+//! ridge regression of its activity indicator ([`crate::sparsity::is_active`]) on the ±1 bits; stage `s + 1`
 //! is fitted on what stages `0..=s` left unexplained. The score of a neuron is the sum over stages
 //! of `scale_i · Σ_k w_ik · bit_k`, with the weights stored as i8 and one f32 scale per neuron
 //! and stage.

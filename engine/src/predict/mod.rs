@@ -1,9 +1,9 @@
 //! Activation predictors: cheap scores that say which FFN neurons of a layer will be active for a
 //! token, before the layer's gate and up rows are read.
 //!
-//! A neuron `i` of layer `l` is *active* for a token when `|h_i| > thresholds[l]`, where `h` is the
-//! FFN's intermediate activation (`act(gate·xn) * up·xn`) and the thresholds come from calibration
-//! (see [`crate::calibrate`]). A predictor scores every neuron from the layer's normalised FFN input
+//! A neuron `i` of layer `l` is *active* for a token when `h_i != 0` and `|h_i| >= thresholds[l]`
+//! ([`crate::sparsity::is_active`]), where `h` is the FFN's intermediate activation
+//! (`act(gate·xn) * up·xn`) and the thresholds come from calibration (see [`crate::calibrate`]). A predictor scores every neuron from the layer's normalised FFN input
 //! `xn`; the pipeline fetches neurons whose score reaches the per-layer cut-off stored with the
 //! predictor ([`crate::model::lsm::PredictorMeta::cutoffs`]), which calibration sets to reach a
 //! target recall (default 0.95) of active neurons.

@@ -1,4 +1,5 @@
-//! Calibration on a tiny seeded model: the window pass agrees with the engine, calibration data
+//! Calibration on a tiny seeded model: windowed perplexity (batched attention, the FFN through an
+//! executor) agrees with scoring token by token, calibration data
 //! round-trips through the file, reordering keeps the model's function, and damaged or missing
 //! calibration gives clear errors.
 
@@ -33,13 +34,13 @@ fn options(reorder: bool) -> CalibrateOptions {
 
 fn dense_ppl(path: &Path, ids: &[u32]) -> f64 {
     let model = Model::load(path).expect("load");
-    perplexity(&model.weights, ids, 32, None, &mut |_, _| {})
+    perplexity(&model, ids, 32, None, &mut |_, _| {})
         .expect("perplexity")
         .nll
 }
 
 #[test]
-fn window_pass_agrees_with_the_session_for_every_architecture() {
+fn windowed_perplexity_agrees_with_token_by_token_scoring_for_every_architecture() {
     let dir = tempfile::tempdir().expect("tempdir");
     for arch in TinyArch::ALL {
         let path = dir.path().join(format!("{arch:?}.lsm"));
@@ -50,18 +51,18 @@ fn window_pass_agrees_with_the_session_for_every_architecture() {
         let mut session =
             Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
         let (sum, n) = score(&mut session, ids).expect("score");
-        let p = perplexity(&model.weights, ids, 32, None, &mut |_, _| {}).expect("perplexity");
+        let p = perplexity(&model, ids, 32, None, &mut |_, _| {}).expect("perplexity");
         let session_nll = sum / n as f64;
         assert!(
             (p.nll - session_nll).abs() < 1e-4 * session_nll.abs().max(1.0),
-            "{arch:?}: window pass NLL {} vs session {session_nll}",
+            "{arch:?}: windowed NLL {} vs session {session_nll}",
             p.nll
         );
     }
 }
 
 #[test]
-fn window_pass_agrees_with_the_session() {
+fn windowed_perplexity_agrees_with_token_by_token_scoring() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = tiny_lsm(dir.path());
     let model = Model::load(&path).expect("load");
@@ -70,20 +71,20 @@ fn window_pass_agrees_with_the_session() {
     let mut session =
         Session::new(model.clone(), 32, Precision::Exact, KvType::F32).expect("session");
     let (sum, n) = score(&mut session, ids).expect("score");
-    let p = perplexity(&model.weights, ids, 32, None, &mut |_, _| {}).expect("perplexity");
+    let p = perplexity(&model, ids, 32, None, &mut |_, _| {}).expect("perplexity");
     assert_eq!(p.tokens, n);
     let session_nll = sum / n as f64;
     assert!(
         (p.nll - session_nll).abs() < 1e-4 * session_nll.abs().max(1.0),
-        "window pass NLL {} vs session {session_nll}",
+        "windowed NLL {} vs session {session_nll}",
         p.nll
     );
     // Thresholds of zero change nothing; large ones zero everything and change the result.
     let zero = vec![0.0; 2];
-    let same = perplexity(&model.weights, ids, 32, Some(&zero), &mut |_, _| {}).expect("ppl");
+    let same = perplexity(&model, ids, 32, Some(&zero), &mut |_, _| {}).expect("ppl");
     assert!((same.nll - p.nll).abs() < 1e-9);
     let big = vec![1e9; 2];
-    let all = perplexity(&model.weights, ids, 32, Some(&big), &mut |_, _| {}).expect("ppl");
+    let all = perplexity(&model, ids, 32, Some(&big), &mut |_, _| {}).expect("ppl");
     assert_eq!(all.sparsity, 1.0);
     assert!((all.nll - p.nll).abs() > 1e-6);
 }

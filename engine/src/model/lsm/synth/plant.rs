@@ -231,7 +231,7 @@ pub(super) fn simulate_layer(
             let u = f64::from(mean_abs_u[i]) * (1.0 + 0.05 * rng.normal());
             let h = (silu(g) * u).abs();
             sum_h[i] += h;
-            let active = h > thr;
+            let active = crate::sparsity::is_active(h as f32, thr as f32);
             inactive += usize::from(!active);
             let score = (silu(predicted).abs() * f64::from(mean_abs_u[i])) as f32;
             if t % 2 == 0 {

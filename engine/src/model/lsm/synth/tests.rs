@@ -67,14 +67,9 @@ fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
         .unwrap();
 
     // Realised sparsity of the thresholds over a dense pass.
-    let ppl = crate::calibrate::perplexity(
-        &sm.model.weights,
-        &ids,
-        64,
-        Some(&sm.thresholds),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let ppl =
+        crate::calibrate::perplexity(&sm.model, &ids, 64, Some(&sm.thresholds), &mut |_, _| {})
+            .unwrap();
     assert!(
         (ppl.sparsity - 0.4).abs() < 0.1,
         "sparsity {}",
