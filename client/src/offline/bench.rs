@@ -230,23 +230,14 @@ fn write_outputs(
 /// `--memory-cap`: the capped bench (see [`capped`]).
 fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
     let gguf = args.gguf.clone().unwrap_or_else(|| args.model.clone());
-    let disk = if args.no_disk_probe {
-        None
-    } else {
-        let len = std::fs::metadata(&args.model)
-            .with_context(|| format!("reading {}", args.model.display()))?
-            .len();
-        let opts = leanstream_engine::bench::disk::ProbeOptions {
+    let disk_probe = (!args.no_disk_probe).then(|| capped::DiskProbe {
+        path: args.model.clone(),
+        options: leanstream_engine::bench::disk::ProbeOptions {
             queue_depth: leanstream_engine::stream::READERS,
             block_bytes: 512 << 10,
             ..Default::default()
-        };
-        Some(leanstream_engine::bench::disk::probe(
-            &args.model,
-            0..len,
-            &opts,
-        )?)
-    };
+        },
+    });
     // The children read the held-out text from a file: the one given, or the shipped one.
     let shipped =
         std::env::temp_dir().join(format!("leanstream-heldout-{}.txt", std::process::id()));
@@ -271,7 +262,7 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
         threads: args.threads,
         peer_llama: args.peer_llama.clone(),
         row_timeout: std::time::Duration::from_secs(args.row_timeout),
-        disk_bytes_per_s: disk.as_ref().map(|d| d.bytes_per_s),
+        disk_probe: disk_probe.clone(),
         heldout,
         heldout_tokens: args.heldout_tokens,
     };
@@ -280,11 +271,10 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
     let rows = rows?;
     print!("{}", capped::table(&rows));
     print!("{}", capped::floors(&rows));
-    if let Some(d) = &disk {
+    if let Some(d) = &disk_probe {
         println!(
-            "disk: {:.0} MB/s (O_DIRECT, 512 KiB reads, {} in flight, on {}); plan bound tok/s = disk MB/s / plan read/tok",
-            d.bytes_per_s / 1e6,
-            d.queue_depth,
+            "disk MB/s: probed before each LeanStream row (O_DIRECT, 512 KiB reads, {} in flight, on {}); plan bound tok/s = disk MB/s / plan read/tok",
+            d.options.queue_depth,
             args.model.display()
         );
     }

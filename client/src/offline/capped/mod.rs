@@ -19,6 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use leanstream_engine::bench::disk::{self, ProbeOptions};
 use leanstream_engine::plan::Floor;
 use serde::Serialize;
 
@@ -57,6 +58,23 @@ impl Cap {
     }
 }
 
+/// The O_DIRECT bandwidth probe of the model file ([`leanstream_engine::bench::disk::probe`]).
+#[derive(Clone, Debug)]
+pub struct DiskProbe {
+    pub path: PathBuf,
+    pub options: ProbeOptions,
+}
+
+impl DiskProbe {
+    /// The file's whole-range read bandwidth now, bytes/s.
+    pub fn measure(&self) -> anyhow::Result<f64> {
+        let len = std::fs::metadata(&self.path)
+            .with_context(|| format!("reading {}", self.path.display()))?
+            .len();
+        Ok(disk::probe(&self.path, 0..len, &self.options)?.bytes_per_s)
+    }
+}
+
 /// What the capped bench runs.
 #[derive(Clone, Debug)]
 pub struct CappedConfig {
@@ -73,8 +91,10 @@ pub struct CappedConfig {
     pub peer_llama: Option<PathBuf>,
     /// A row's child that runs longer is killed and the row marked `timeout`.
     pub row_timeout: Duration,
-    /// The disk's O_DIRECT read bandwidth, for the predicted storage-bound tokens/s.
-    pub disk_bytes_per_s: Option<f64>,
+    /// Probes the disk's O_DIRECT read bandwidth before each LeanStream row, for that row's
+    /// storage-bound tokens/s: the development VM's disk varies by 2× within one bench (it slows
+    /// after gigabytes of reads), so one probe at the start does not describe the later rows.
+    pub disk_probe: Option<DiskProbe>,
     /// Held-out text scored under each cap (`leanstream perplexity`), and how many of its
     /// tokens; 0 skips the scoring.
     pub heldout: PathBuf,
@@ -103,7 +123,9 @@ pub struct CappedRow {
     pub read_bytes_per_token: f64,
     /// The plan's bytes read per token (LeanStream only).
     pub predicted_read_bytes_per_token: Option<f64>,
-    /// The plan's storage-bound tokens/s at the measured disk bandwidth (LeanStream only).
+    /// The disk's O_DIRECT read bandwidth probed just before the row (LeanStream only).
+    pub disk_bytes_per_s: Option<f64>,
+    /// The plan's storage-bound tokens/s at that bandwidth (LeanStream only).
     pub predicted_bound_tok_s: Option<f64>,
     pub tokens_decoded: u64,
     /// Held-out perplexity under the cap ÷ the fully loaded model's, less 1 (LeanStream only).
@@ -206,6 +228,7 @@ impl Tally {
                 peak_cgroup_bytes: None,
                 read_bytes_per_token: 0.0,
                 predicted_read_bytes_per_token: None,
+                disk_bytes_per_s: None,
                 predicted_bound_tok_s: None,
                 tokens_decoded: 0,
                 nll_delta: None,
@@ -342,6 +365,11 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
     for &cap in &cfg.caps {
         let cap = cap.bytes(reference);
         let mut ours = Tally::new("leanstream", cap);
+        ours.row.disk_bytes_per_s = cfg
+            .disk_probe
+            .as_ref()
+            .map(DiskProbe::measure)
+            .transpose()?;
         for (i, p) in cfg.prompts.iter().enumerate() {
             progress(&format!(
                 "leanstream at {} MB, prompt {}",
@@ -356,7 +384,8 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
             }
             if let Some((_, _, Some(pred))) = parsed {
                 ours.row.predicted_read_bytes_per_token = Some(pred);
-                ours.row.predicted_bound_tok_s = cfg
+                ours.row.predicted_bound_tok_s = ours
+                    .row
                     .disk_bytes_per_s
                     .filter(|_| pred > 0.0)
                     .map(|bw| bw / pred);

@@ -47,7 +47,11 @@ impl Llama {
             .args(["-p", prompt])
             .args(["-n", &tokens.to_string()])
             .args(["-c", &context.to_string()])
-            .args(["--temp", "0", "-no-cnv", "--no-warmup"]);
+            .args(["--temp", "0", "-no-cnv", "--no-warmup"])
+            // No weight repacking: on x86 with AVX2 llama.cpp otherwise copies its Q4 tensors into
+            // interleaved anonymous buffers at load (92 MiB of anonymous memory for SmolLM2 Q4_1,
+            // OOM-killed under a 98 MB cap), so only the memory-mapped path can run under a cap.
+            .arg("--no-repack");
         if threads > 0 {
             cmd.args(["-t", &threads.to_string()]);
         }

@@ -24,6 +24,7 @@ pub fn table(rows: &[CappedRow]) -> String {
         "peak MiB",
         "read/tok MiB",
         "plan read/tok MiB",
+        "disk MB/s",
         "plan bound tok/s",
         "nll Δ",
     ];
@@ -53,6 +54,8 @@ pub fn table(rows: &[CappedRow]) -> String {
                 format!("{:.1}", r.read_bytes_per_token / (1 << 20) as f64),
                 r.predicted_read_bytes_per_token
                     .map_or("-".into(), |b| format!("{:.1}", b / (1 << 20) as f64)),
+                r.disk_bytes_per_s
+                    .map_or("-".into(), |b| format!("{:.0}", b / 1e6)),
                 r.predicted_bound_tok_s
                     .map_or("-".into(), |t| format!("{t:.1}")),
                 r.nll_delta
@@ -260,6 +263,7 @@ mod tests {
             peak_cgroup_bytes: Some(cap / 2),
             read_bytes_per_token: 1e6,
             predicted_read_bytes_per_token: None,
+            disk_bytes_per_s: None,
             predicted_bound_tok_s: None,
             tokens_decoded: 10,
             nll_delta: None,
