@@ -262,7 +262,7 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
         threads: args.threads,
         peer_llama: args.peer_llama.clone(),
         row_timeout: std::time::Duration::from_secs(args.row_timeout),
-        disk_probe: disk_probe.clone(),
+        disk_probe,
         heldout,
         heldout_tokens: args.heldout_tokens,
     };
@@ -271,7 +271,7 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
     let rows = rows?;
     print!("{}", capped::table(&rows));
     print!("{}", capped::floors(&rows));
-    if let Some(d) = &disk_probe {
+    if let Some(d) = &cfg.disk_probe {
         println!(
             "disk MB/s: probed before each LeanStream row (O_DIRECT, 512 KiB reads, {} in flight, on {}); plan bound tok/s = disk MB/s / plan read/tok",
             d.options.queue_depth,
