@@ -103,6 +103,14 @@ pub fn chat_prompt(model: &Model, prompt: &str) -> anyhow::Result<String> {
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     super::init_threads(args.threads)?;
+    // Read before the model is loaded: summarising parses the file's header again (for a
+    // 262k-token vocabulary, ~9 MiB of metadata), which must not land on top of a model that
+    // fills its `--memory-budget`.
+    let quantization = args
+        .json
+        .then(|| leanstream_engine::model::summarize(&args.model).ok())
+        .flatten()
+        .map(|s| s.quantization);
     let model = match args.memory_budget {
         Some(budget) => {
             let context = args.context.unwrap_or(super::PLANNED_CONTEXT);
@@ -204,9 +212,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "mask_s_per_token": stats.constraint.as_secs_f64()
                     / stats.generated_tokens.max(1) as f64,
             })),
-            "quantization": leanstream_engine::model::summarize(&args.model)
-                .map(|s| s.quantization)
-                .ok(),
+            "quantization": quantization,
             "stats": {
                 "prefill_tokens_per_s": stats.prefill_tokens_per_s(),
                 "decode_tokens_per_s": stats.decode_tokens_per_s(),
