@@ -91,6 +91,28 @@ impl QRows {
         &self.data.as_slice()[off..off + self.row_bytes()]
     }
 
+    /// The stored bytes of rows `range`, one exact-length slice per row, in order: what a loop
+    /// over many rows uses instead of [`QRows::row`], which divides to find each row's group.
+    /// Panics if `range` runs past the last row.
+    pub fn rows_in(&self, range: std::ops::Range<usize>) -> impl Iterator<Item = &[u8]> + '_ {
+        assert!(
+            range.start <= range.end && range.end <= self.rows,
+            "rows {range:?} of {}",
+            self.rows
+        );
+        let (rb, all) = (self.row_bytes(), self.data.as_slice());
+        let mut group_at = self.first + (range.start / self.group_rows) * self.group_stride;
+        let mut in_group = range.start % self.group_rows;
+        range.map(move |_| {
+            let off = group_at + in_group * self.row_stride;
+            in_group += 1;
+            if in_group == self.group_rows {
+                (group_at, in_group) = (group_at + self.group_stride, 0);
+            }
+            &all[off..off + rb]
+        })
+    }
+
     /// Where row `i`'s bytes sit in the backing (file offsets for a file image or map).
     pub fn row_range(&self, i: usize) -> std::ops::Range<usize> {
         assert!(i < self.rows, "row {i} of {}", self.rows);

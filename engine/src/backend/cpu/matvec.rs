@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index, row_prefix};
+use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index};
 use crate::model::QRows;
 
 /// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
@@ -19,22 +19,28 @@ fn rows_per_task(n: usize) -> usize {
         .max(MIN_ROWS_PER_TASK)
 }
 
-/// `out[k] = f(k)` for every `k`, on the calling thread if `out` is small, else over the pool.
-fn fill(out: &mut [f32], f: impl Fn(usize) -> f32 + Sync) {
+/// `f(rows, out_chunk)` over consecutive chunks of `out` (`out_chunk` is `out[rows]`), on the
+/// calling thread if `out` is small, else over the pool.
+fn fill(out: &mut [f32], f: impl Fn(Range<usize>, &mut [f32]) + Sync) {
     let chunk = rows_per_task(out.len());
     if chunk >= out.len() {
-        out.iter_mut().enumerate().for_each(|(k, o)| *o = f(k));
+        f(0..out.len(), out);
     } else {
         out.par_chunks_mut(chunk).enumerate().for_each(|(c, os)| {
             let base = c * chunk;
-            os.iter_mut()
-                .enumerate()
-                .for_each(|(j, o)| *o = f(base + j));
+            f(base..base + os.len(), os);
         });
     }
 }
 
-/// Fills `out[k]` with the dot product of row `row_of(k)` of `m` with `x`.
+/// The rows a mat-vec reads: every row in order, or a listed subset.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    All,
+    Listed(&'a [u32]),
+}
+
+/// Fills `out[k]` with the dot product of the `k`-th row of `rows` of `m` with `x`.
 fn run(
     k: &Kernels,
     m: &QRows,
@@ -42,7 +48,7 @@ fn run(
     out: &mut [f32],
     precision: Precision,
     scratch: &mut QuantizedActs,
-    row_of: impl Fn(usize) -> usize + Sync,
+    rows: Rows<'_>,
 ) {
     assert_eq!(x.len(), m.cols, "activations vs matrix columns");
     // Types without an integer path are exact in either precision.
@@ -52,15 +58,23 @@ fn run(
     if let Some(dot) = fast {
         scratch.quantize_with(k, x);
         let acts = scratch.blocks();
-        fill(out, |r| {
-            dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), acts)
-        });
+        each_row(m, rows, out, |row| dot(row, acts));
     } else {
         let dot = k.dot[dtype_index(m.dtype)];
-        fill(out, |r| {
-            dot(row_prefix(m.dtype, m.row(row_of(r)), x.len()), x)
-        });
+        each_row(m, rows, out, |row| dot(row, x));
     }
+}
+
+/// `out[k] = dot(k-th row of rows)` over the pool. The rows [`QRows::rows_in`] and
+/// [`QRows::row`] give are exactly one row's bytes, so the kernels need no prefix check.
+fn each_row(m: &QRows, rows: Rows<'_>, out: &mut [f32], dot: impl Fn(&[u8]) -> f32 + Sync) {
+    fill(out, |r, os| match rows {
+        Rows::All => m.rows_in(r).zip(os).for_each(|(row, o)| *o = dot(row)),
+        Rows::Listed(ids) => ids[r]
+            .iter()
+            .zip(os)
+            .for_each(|(&i, o)| *o = dot(m.row(i as usize))),
+    });
 }
 
 pub(super) fn matvec(
@@ -72,7 +86,7 @@ pub(super) fn matvec(
     scratch: &mut QuantizedActs,
 ) {
     assert_eq!(out.len(), m.rows, "output length vs matrix rows");
-    run(k, m, x, out, precision, scratch, |r| r);
+    run(k, m, x, out, precision, scratch, Rows::All);
 }
 
 pub(super) fn matvec_rows(
@@ -85,7 +99,7 @@ pub(super) fn matvec_rows(
     scratch: &mut QuantizedActs,
 ) {
     assert_eq!(out.len(), rows.len(), "output length vs selected rows");
-    run(k, m, x, out, precision, scratch, |r| rows[r] as usize);
+    run(k, m, x, out, precision, scratch, Rows::Listed(rows));
 }
 
 /// Rows per work item of a fused mat-vec: 32 rows × 576 values of Q4_1 is ~12 KB of weights, a

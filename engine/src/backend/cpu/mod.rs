@@ -325,17 +325,13 @@ impl Kernels {
     #[inline]
     pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
         assert_eq!(x.len(), m.cols, "activations vs matrix columns");
+        // Every row `rows_in` yields has exactly the bytes of `m.cols` values: no prefix check.
+        let rows = m.rows_in(first..first + out.len()).zip(out);
         match (x.blocks, self.integer_dot(m.dtype)) {
-            (Some(b), Some(dot)) => {
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), b);
-                }
-            }
+            (Some(b), Some(dot)) => rows.for_each(|(row, o)| *o = dot(row, b)),
             _ => {
                 let dot = self.dot[dtype_index(m.dtype)];
-                for (k, o) in out.iter_mut().enumerate() {
-                    *o = dot(row_prefix(m.dtype, m.row(first + k), x.len()), x.x);
-                }
+                rows.for_each(|(row, o)| *o = dot(row, x.x));
             }
         }
     }
