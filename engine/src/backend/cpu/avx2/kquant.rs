@@ -135,25 +135,23 @@ fn dot_q8<const BB: usize>(
 ) -> f32 {
     let (blocks, _) = row.as_chunks::<BB>();
     let ones = _mm256_set1_epi8(1);
-    // Even and odd spans accumulate apart, so that consecutive spans do not wait on each
-    // other's fused multiply-add.
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut macc = [_mm256_setzero_ps(); 2];
+    let mut acc = _mm256_setzero_ps();
+    let mut macc = _mm256_setzero_ps();
     for (b, ab) in blocks.iter().zip(acts.chunks_exact(QK_K / QK)) {
         let g = groups(dtype, b);
         for (s, a) in ab.iter().enumerate() {
             let aq = ld_q(&a.q);
             let p = mul_sum_ss(span(b, s), aq);
             let sc = pair(g.scale[2 * s] * a.d, g.scale[2 * s + 1] * a.d);
-            acc[s % 2] = _mm256_fmadd_ps(sc, p, acc[s % 2]);
+            acc = _mm256_fmadd_ps(sc, p, acc);
             if has_min(dtype) {
                 let qs = mul_sum_us(ones, aq);
                 let mn = pair(g.min[2 * s] * a.d, g.min[2 * s + 1] * a.d);
-                macc[s % 2] = _mm256_fmadd_ps(mn, qs, macc[s % 2]);
+                macc = _mm256_fmadd_ps(mn, qs, macc);
             }
         }
     }
-    hsum(_mm256_add_ps(acc[0], acc[1])) - hsum(_mm256_add_ps(macc[0], macc[1]))
+    hsum(acc) - hsum(macc)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
