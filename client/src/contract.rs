@@ -185,6 +185,20 @@ pub struct ChatTurn {
     pub content: String,
 }
 
+/// What a loaded model holds, by part (all 0 while it loads or unloads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ModelParts {
+    /// Weight bytes read into memory (the file image; a streaming model's streamed FFN section
+    /// and a planned model's streamed layers are not in it).
+    pub weights: u64,
+    /// The tokenizer's heap.
+    pub tokenizer: u64,
+    /// The f32 tables built at load (norms, biases) and the layer table.
+    pub tables: u64,
+    /// The memory planner's weight-stream ring (0 when every dense weight is resident).
+    pub ring: u64,
+}
+
 /// Memory held by one model (shared by all its sessions).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct ModelMemory {
@@ -211,6 +225,8 @@ pub struct ModelMemory {
     /// Seconds until it unloads on its own (its `keep_alive` running out); -1 when it will
     /// not: it has sessions, is pinned (`LoadModel`, `preload`), or has `keep_alive = -1`.
     pub unload_in_seconds: i64,
+    /// The loaded model's bytes by part (the floor the memory planner counts besides weights).
+    pub parts: ModelParts,
 }
 
 /// Memory held by one session (its KV cache and working buffers).

@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use leanstream::contract::{
-    ClientMemory, LeanStreamError, MemoryReport, ModelInfo, ModelMemory, SESSION_PATH_PREFIX,
-    SessionMemory, SessionStats,
+    ClientMemory, LeanStreamError, MemoryReport, ModelInfo, ModelMemory, ModelParts,
+    SESSION_PATH_PREFIX, SessionMemory, SessionStats,
 };
 use leanstream_engine::forward::session_open_bytes;
 use leanstream_engine::model::summarize;
@@ -1140,6 +1140,22 @@ impl<M: Memory> State<M> {
         }
     }
 
+    /// What model `name` holds by part, once it is loaded.
+    fn model_parts(&self, name: &str) -> ModelParts {
+        match self.models.get(name).map(|e| &e.slot) {
+            Some(Slot::Ready(m)) => {
+                let f = m.model.footprint();
+                ModelParts {
+                    weights: f.weights.image,
+                    tokenizer: f.tokenizer,
+                    tables: f.weights.heap,
+                    ring: f.ring,
+                }
+            }
+            _ => ModelParts::default(),
+        }
+    }
+
     fn memory_report(&self) -> MemoryReport {
         let f = self.memory.report();
         let mut clients: HashMap<&str, (u32, u64)> = HashMap::new();
@@ -1179,6 +1195,7 @@ impl<M: Memory> State<M> {
                     streamed_bytes_per_token: self.streamed_bytes_per_token(&m.name),
                     idle_seconds: self.idle_for(&m.name).map_or(0, |idle| idle.as_secs()),
                     unload_in_seconds: self.unload_in_seconds(&m.name),
+                    parts: self.model_parts(&m.name),
                 })
                 .collect(),
             sessions: f

@@ -1,7 +1,7 @@
 //! `leanstream status` and `leanstream models`: what the daemon holds, as tables or JSON.
 
 use leanstream::Client;
-use leanstream::contract::{MemoryReport, ModelInfo};
+use leanstream::contract::{MemoryReport, ModelInfo, ModelParts};
 
 use crate::table::{Align, bytes, render};
 
@@ -64,6 +64,31 @@ pub fn format_status(report: &MemoryReport) -> String {
                     } else {
                         format!("{}s", m.unload_in_seconds)
                     },
+                ]
+            })
+            .collect(),
+    );
+    section(
+        "loaded models by part",
+        &[
+            ("MODEL", Align::Left),
+            ("WEIGHTS", Align::Right),
+            ("TOKENIZER", Align::Right),
+            ("TABLES", Align::Right),
+            ("RING", Align::Right),
+        ],
+        report
+            .models
+            .iter()
+            .filter(|m| m.parts != ModelParts::default())
+            .map(|m| {
+                let p = &m.parts;
+                vec![
+                    m.name.clone(),
+                    bytes(p.weights),
+                    bytes(p.tokenizer),
+                    bytes(p.tables),
+                    bytes(p.ring),
                 ]
             })
             .collect(),
@@ -183,6 +208,12 @@ mod tests {
                     streamed_bytes_per_token: 0,
                     idle_seconds: 0,
                     unload_in_seconds: -1,
+                    parts: ModelParts {
+                        weights: 90 << 20,
+                        tokenizer: 2 << 20,
+                        tables: 1 << 19,
+                        ring: 0,
+                    },
                 },
                 ModelMemory {
                     name: "smollm2-small".into(),
@@ -194,6 +225,12 @@ mod tests {
                     streamed_bytes_per_token: 21 << 20,
                     idle_seconds: 12,
                     unload_in_seconds: 288,
+                    parts: ModelParts {
+                        weights: 20 << 20,
+                        tokenizer: 2 << 20,
+                        tables: 1 << 19,
+                        ring: 6 << 20,
+                    },
                 },
             ],
             sessions: vec![
@@ -235,6 +272,11 @@ MODEL          MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL  RE
 smollm2        leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -
 smollm2-small  dense        30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s
 
+loaded models by part
+MODEL           WEIGHTS  TOKENIZER     TABLES     RING
+smollm2        90.0 MiB    2.0 MiB  512.0 KiB      0 B
+smollm2-small  20.0 MiB    2.0 MiB  512.0 KiB  6.0 MiB
+
 sessions
 SESSION     MODEL    CLIENT    MEMORY
 session/1   smollm2  :1.42   30.0 MiB
@@ -263,7 +305,8 @@ CLIENT  SESSIONS    MEMORY
             text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B; process resident 0 B\n"),
             "{text}"
         );
-        assert_eq!(text.matches("(none)").count(), 3, "{text}");
+        // models, models by part, sessions, clients
+        assert_eq!(text.matches("(none)").count(), 4, "{text}");
     }
 
     #[test]
@@ -275,6 +318,7 @@ CLIENT  SESSIONS    MEMORY
             "/io/github/leanstream/LeanStream1/session/1"
         );
         assert_eq!(value["clients"][1]["client"], ":1.7");
+        assert_eq!(value["models"][1]["parts"]["ring"], 6u64 << 20);
     }
 
     #[test]

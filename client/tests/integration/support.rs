@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use leanstream::contract::{
     BUS_NAME, ChatTurn, ClientMemory, GenerateParams, LeanStreamError, MANAGER_PATH, MemoryReport,
-    ModelInfo, ModelMemory, SESSION_PATH_PREFIX, SessionStats, StreamEvent, StreamStats,
+    ModelInfo, ModelMemory, ModelParts, SESSION_PATH_PREFIX, SessionStats, StreamEvent,
+    StreamStats,
 };
 use zbus::object_server::ObjectServer;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
@@ -256,6 +257,12 @@ impl MockManager {
                 streamed_bytes_per_token: 0,
                 idle_seconds: 0,
                 unload_in_seconds: -1,
+                parts: ModelParts {
+                    weights: 4 << 20,
+                    tokenizer: 1 << 20,
+                    tables: 1 << 16,
+                    ring: 0,
+                },
             }],
             sessions: vec![],
             clients: vec![ClientMemory {

@@ -22,20 +22,21 @@ pub struct ModelBytes {
     pub weights: OwnedBytes,
     /// The tokenizer's heap (an estimate: see [`Tokenizer::heap_bytes`]).
     pub tokenizer: u64,
-    /// The path, the chat template, the model's own struct and, under a memory plan, the weight
-    /// stream's ring.
+    /// Under a memory plan, the weight stream's ring (page-aligned buffers, not heap).
+    pub ring: u64,
+    /// The path, the chat template and the model's own struct.
     pub other: u64,
 }
 
 impl ModelBytes {
-    /// Bytes on the heap: everything but the file image.
+    /// Bytes on the heap: everything but the file image and the ring.
     pub fn heap(&self) -> u64 {
         self.weights.heap + self.tokenizer + self.other
     }
 
     /// Every byte.
     pub fn total(&self) -> u64 {
-        self.weights.image + self.heap()
+        self.weights.image + self.ring + self.heap()
     }
 }
 
@@ -52,11 +53,11 @@ impl Model {
         ModelBytes {
             weights: self.weights.bytes(),
             tokenizer: self.tokenizer.heap_bytes(),
+            ring: self.planned.as_ref().map_or(0, |p| p.stream.ring_bytes()),
             other: (std::mem::size_of::<Model>()
                 + self.path.capacity()
                 + self.chat_template.as_ref().map_or(0, String::capacity))
-                as u64
-                + self.planned.as_ref().map_or(0, |p| p.stream.ring_bytes()),
+                as u64,
         }
     }
 }
