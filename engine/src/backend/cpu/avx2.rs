@@ -481,106 +481,69 @@ fn mul_sum_ss(a: __m256i, b: __m256i) -> __m256 {
     mul_sum_us(_mm256_abs_epi8(a), _mm256_sign_epi8(b, a))
 }
 
-/// What one block adds to a dot product against 8-bit activations: `scale · Σ p + offset`,
-/// with `p` the block's eight partial integer sums as floats and `[scale, offset, 0, 0]` in one
-/// register (a block's two f16 factors convert in one instruction; see [`scale_offset`]).
-type BlockTerm = (__m128, __m256);
-
-/// Blocks in flight in [`sum_blocks`].
-const CHAINS: usize = 4;
-
-/// `Σ term(block, act)` over the blocks of a row of `B`-byte blocks, [`CHAINS`] blocks in
-/// flight: consecutive blocks accumulate into different registers, so none waits on the
-/// previous block's fused multiply-add (one chain is bound by the FMA latency, not the work).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn sum_blocks<const B: usize>(
-    row: &[u8],
-    acts: &[Q8Block],
-    term: impl Fn(&[u8; B], &Q8Block) -> BlockTerm,
-) -> f32 {
-    let (blocks, _) = row.as_chunks::<B>();
-    let n = blocks.len().min(acts.len());
-    let (groups, rest) = blocks[..n].as_chunks::<CHAINS>();
-    let (act_groups, act_rest) = acts[..n].as_chunks::<CHAINS>();
-    let mut acc = [_mm256_setzero_ps(); CHAINS];
-    let mut offsets = [_mm_setzero_ps(); CHAINS];
-    let mut add = |j: usize, (so, p): BlockTerm| {
-        acc[j] = _mm256_fmadd_ps(_mm256_broadcastss_ps(so), p, acc[j]);
-        offsets[j] = _mm_add_ps(offsets[j], so);
-    };
-    for (g, ag) in groups.iter().zip(act_groups) {
-        for j in 0..CHAINS {
-            add(j, term(&g[j], &ag[j]));
-        }
-    }
-    for (j, (b, a)) in rest.iter().zip(act_rest).enumerate() {
-        add(j, term(b, a));
-    }
-    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    let o = _mm_add_ps(
-        _mm_add_ps(offsets[0], offsets[1]),
-        _mm_add_ps(offsets[2], offsets[3]),
-    );
-    hsum(v) + _mm_cvtss_f32(_mm_movehdup_ps(o))
-}
-
-/// `[d·a.d, 0, 0, 0]` for a block whose f16 scale `d` is at `b[0..2]` and has no minimum.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn scale_only(b: &[u8], a: &Q8Block) -> __m128 {
-    _mm_set_ss(f16_at(b, 0) * a.d)
-}
-
-/// `[d·a.d, m·a.s, 0, 0]` for a block whose f16 scale `d` and minimum `m` are at `b[0..4]`: both
-/// converted by one `vcvtph2ps`, both products in one multiply.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn scale_offset(b: &[u8], a: &Q8Block) -> __m128 {
-    let dm = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-    _mm_mul_ps(dm, _mm_setr_ps(a.d, a.s, 0.0, 0.0))
-}
-
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q8_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
-    sum_blocks::<34>(row, acts, |b, a| {
-        (scale_only(b, a), mul_sum_ss(ld_32(b, 2), ld_q(&a.q)))
-    })
+    let (blocks, _) = row.as_chunks::<34>();
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in blocks.iter().zip(acts) {
+        let p = mul_sum_ss(ld_32(b, 2), ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+    }
+    hsum(acc)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<18>();
     let eight = _mm256_set1_epi8(8);
-    sum_blocks::<18>(row, acts, |b, a| {
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in blocks.iter().zip(acts) {
         let w = _mm256_sub_epi8(nibbles(b, 2), eight);
-        (scale_only(b, a), mul_sum_ss(w, ld_q(&a.q)))
-    })
+        let p = mul_sum_ss(w, ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+    }
+    hsum(acc)
 }
 
 /// Q4_1 × Q8: `d4·d8·Σ q4·q8 + m4·s8` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
-    sum_blocks::<20>(row, acts, |b, a| {
-        (scale_offset(b, a), mul_sum_us(nibbles(b, 4), ld_q(&a.q)))
-    })
+    let (blocks, _) = row.as_chunks::<20>();
+    let mut acc = _mm256_setzero_ps();
+    let mut ms = 0f32;
+    for (b, a) in blocks.iter().zip(acts) {
+        let p = mul_sum_us(nibbles(b, 4), ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+        ms += f16_at(b, 2) * a.s;
+    }
+    hsum(acc) + ms
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q5_0_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
+    let (blocks, _) = row.as_chunks::<22>();
     let sixteen = _mm256_set1_epi8(16);
-    sum_blocks::<22>(row, acts, |b, a| {
+    let mut acc = _mm256_setzero_ps();
+    for (b, a) in blocks.iter().zip(acts) {
         let w = _mm256_sub_epi8(q5_bytes(b, 2), sixteen);
-        (scale_only(b, a), mul_sum_ss(w, ld_q(&a.q)))
-    })
+        let p = mul_sum_ss(w, ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+    }
+    hsum(acc)
 }
 
 /// Q5_1 × Q8: `d5·d8·Σ q5·q8 + m5·s8` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q5_1_q8(row: &[u8], acts: &[Q8Block]) -> f32 {
-    sum_blocks::<24>(row, acts, |b, a| {
-        (scale_offset(b, a), mul_sum_us(q5_bytes(b, 4), ld_q(&a.q)))
-    })
+    let (blocks, _) = row.as_chunks::<24>();
+    let mut acc = _mm256_setzero_ps();
+    let mut ms = 0f32;
+    for (b, a) in blocks.iter().zip(acts) {
+        let p = mul_sum_us(q5_bytes(b, 4), ld_q(&a.q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(b, 0) * a.d), p, acc);
+        ms += f16_at(b, 2) * a.s;
+    }
+    hsum(acc) + ms
 }
 
 // ---- axpy --------------------------------------------------------------------------------------

@@ -728,3 +728,38 @@ mod conformance_catches_errors {
         conformance::ffn_chunks(&Skewed);
     }
 }
+
+/// Every table's integer kernels compute what the scalar ones compute from the same quantised
+/// activations, to float rounding: the fast path's tolerance against the f32 oracle
+/// ([`tolerance`]) is loose enough to hide a wrong scale or offset term, this is not.
+#[test]
+fn integer_kernels_match_the_scalar_integer_kernels() {
+    let mut rng = Rng(11);
+    let scalar = Kernels::scalar();
+    for k in tables() {
+        for dtype in DTYPES.into_iter().filter(|d| !d.is_float()) {
+            for blocks in [1, 3, 4, 5, 18, 48] {
+                let cols = width(dtype, 32 * blocks);
+                let mut row = Vec::new();
+                quantize_row(dtype, &rng.vec(cols, 1.0), &mut row);
+                let mut acts = QuantizedActs::new(cols);
+                acts.quantize_with(scalar, &rng.vec(cols, 1.0));
+                let (want, got) = (
+                    scalar.dot_q8(dtype, &row, &acts),
+                    k.dot_q8(dtype, &row, &acts),
+                );
+                let scale = acts
+                    .blocks()
+                    .iter()
+                    .map(|b| b.d.abs())
+                    .sum::<f32>()
+                    .max(1.0);
+                assert!(
+                    (got - want).abs() <= 1e-4 * scale * 127.0,
+                    "{} {dtype} {cols} values: {got} vs scalar {want}",
+                    k.name()
+                );
+            }
+        }
+    }
+}
