@@ -279,6 +279,10 @@ pub struct StreamStats {
     pub time_to_first_token_s: f64,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Decode passes this generation shared with other sessions on the same model (one pass over
+    /// the weights advancing several conversations); 0 when it ran alone.
+    #[serde(default)]
+    pub shared_decode_passes: usize,
 }
 
 /// One line of the token stream.

@@ -27,9 +27,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use leanstream::contract::{LeanStreamError, StreamEvent, StreamStats};
+use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::chat::ChatMessage;
 use leanstream_engine::constrain::{Constraint, GrammarKind};
-use leanstream_engine::forward::MAX_BATCH;
+use leanstream_engine::forward::{MAX_BATCH, Session, forward_each};
 use leanstream_engine::generate::{Decode, sample_next};
 use leanstream_engine::sample::{Sampler, SamplerConfig};
 use leanstream_engine::tokenizer::Tokenizer;
@@ -174,8 +175,10 @@ impl Detok {
 enum Phase {
     /// Feeding prompt tokens; `fed` of them are in the KV cache.
     Prefill { fed: usize },
-    /// `next` was sampled and is emitted on the next step.
+    /// `next` was sampled and is written to the stream on the next step.
     Decode { next: u32 },
+    /// `token` was written; its forward pass is due ([`Scheduler::decode`]).
+    Forward { token: u32 },
     /// The final event is queued; the generation ends once it is written.
     Ending,
 }
@@ -200,6 +203,8 @@ struct Generation {
     prompt_tokens: usize,
     prefill: Duration,
     decode_start: Option<Instant>,
+    /// Decode passes run together with other sessions'.
+    shared_passes: usize,
 }
 
 #[derive(Debug)]
@@ -218,13 +223,14 @@ struct Scheduler {
     sessions: BTreeMap<SessionId, EngineSession>,
 }
 
-/// How one step went.
-enum Step {
-    Continue,
-    /// The pipe is full; skip this generation until it drains.
-    Blocked,
-    /// The generation is over (final event written, or the reader is gone).
-    Over,
+/// A session whose decode pass is due, borrowed apart for [`Scheduler::decode`].
+struct Due<'a> {
+    id: SessionId,
+    model: &'a LoadedModel,
+    session: &'a mut Box<dyn Decode + Send>,
+    seen: &'a mut Vec<u32>,
+    g: &'a mut Generation,
+    token: u32,
 }
 
 impl Scheduler {
@@ -260,28 +266,56 @@ impl Scheduler {
             {
                 return self.shutdown();
             }
-            // One round: one step for each active generation, commands between steps.
-            let ids: Vec<SessionId> = self
-                .sessions
-                .iter()
-                .filter(|(_, s)| s.generation.is_some())
-                .map(|(id, _)| *id)
-                .collect();
-            for id in ids {
-                self.step(id);
-                loop {
-                    match self.rx.try_recv() {
-                        Ok(cmd) => {
-                            if self.handle(cmd) {
-                                return self.shutdown();
-                            }
-                        }
-                        Err(TryRecvError::Empty) => break,
-                        Err(TryRecvError::Disconnected) => return self.shutdown(),
+            if self.round() {
+                return self.shutdown();
+            }
+        }
+    }
+
+    /// Takes every waiting command; true when one asks to shut down (or the daemon is gone).
+    fn take_commands(&mut self) -> bool {
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    if self.handle(cmd) {
+                        return true;
+                    }
+                }
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => return true,
+            }
+        }
+    }
+
+    /// One round. Each active generation takes one step: it writes its next token and queues that
+    /// token's forward pass, or runs a piece of its prompt. Then the queued decode passes run, one
+    /// pass per model for all the sessions that can share it ([`forward_each`]). Commands are
+    /// taken after every pass. True when a command asked to shut down.
+    fn round(&mut self) -> bool {
+        let ids: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.generation.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        let mut due = Vec::new();
+        for id in ids {
+            match self.step(id) {
+                Some(()) => due.push(id),
+                None => {
+                    if self.take_commands() {
+                        return true;
                     }
                 }
             }
         }
+        for batch in self.batches(due) {
+            self.decode(&batch);
+            if self.take_commands() {
+                return true;
+            }
+        }
+        false
     }
 
     /// Handles a command; returns true on shutdown.
@@ -429,29 +463,170 @@ impl Scheduler {
             prompt_tokens: ids.len(),
             prefill: Duration::ZERO,
             decode_start: None,
+            shared_passes: 0,
             spec,
         });
         Ok(())
     }
 
-    /// Runs one forward pass (or writes pending bytes) for session `id`.
-    fn step(&mut self, id: SessionId) {
+    /// Writes what the pipe takes, then takes the generation's next step if it can: a piece of
+    /// its prompt, or its next token out. `Some` when the generation now waits for the forward
+    /// pass of the token it wrote ([`Phase::Forward`]), which [`Scheduler::decode`] runs.
+    fn step(&mut self, id: SessionId) -> Option<()> {
+        let s = self.sessions.get_mut(&id)?;
+        let g = s.generation.as_mut()?;
+        match flush(g) {
+            Ok(true) => return None,
+            Ok(false) if g.phase != Phase::Ending => {
+                let room = Room {
+                    id,
+                    budget: self.budget.as_ref(),
+                };
+                let model = s.model.as_ref();
+                let result = match g.phase {
+                    Phase::Prefill { fed } => {
+                        prefill(model, s.session.as_mut(), &mut s.seen, g, fed, &room)
+                    }
+                    Phase::Decode { next } => emit(model, s.session.as_ref(), g, next),
+                    Phase::Forward { .. } | Phase::Ending => Ok(()),
+                };
+                if let Err(f) = result {
+                    fail(id, g, f);
+                }
+            }
+            _ => {}
+        }
+        let waits = matches!(g.phase, Phase::Forward { .. });
+        self.settle(id);
+        waits.then_some(())
+    }
+
+    /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
+    /// is gone).
+    fn settle(&mut self, id: SessionId) {
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
         };
-        let room = Room {
-            id,
-            budget: self.budget.as_ref(),
+        let Some(g) = &mut s.generation else {
+            return;
         };
-        let outcome = match &mut s.generation {
-            Some(g) => advance(s.model.as_ref(), s.session.as_mut(), &mut s.seen, g, &room),
-            None => return,
+        let over = match flush(g) {
+            Err(_) => true, // the reader closed its end: cancelled
+            Ok(left) => !left && g.phase == Phase::Ending,
         };
-        if let Step::Over = outcome
-            && let Some(g) = s.generation.take()
-        {
+        if over && let Some(g) = s.generation.take() {
             let position = s.session.position() as u32;
             self.finished(id, true, g.generated.len() as u64, position);
+        }
+    }
+
+    /// Groups the sessions whose decode pass is due into batches that one pass can run: CPU
+    /// sessions of the same dense model and precision, at most [`MAX_BATCH`] a pass. Others
+    /// (a sparse pipeline, the GPU) run alone.
+    fn batches(&mut self, due: Vec<SessionId>) -> Vec<Vec<SessionId>> {
+        let mut groups: Vec<(Option<(usize, Precision)>, Vec<SessionId>)> = Vec::new();
+        for id in due {
+            let Some(s) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let dense = s.model.ffn.is_none();
+            let key = s
+                .session
+                .as_cpu()
+                .filter(|_| dense)
+                .map(|cpu| (Arc::as_ptr(&s.model) as usize, cpu.precision()));
+            match groups
+                .iter_mut()
+                .find(|(k, ids)| key.is_some() && *k == key && ids.len() < MAX_BATCH)
+            {
+                Some((_, ids)) => ids.push(id),
+                None => groups.push((key, vec![id])),
+            }
+        }
+        groups.into_iter().map(|(_, ids)| ids).collect()
+    }
+
+    /// Runs the due forward passes of `batch` (see [`Scheduler::batches`]) and samples each
+    /// session's next token: one pass for all when there are several, after reserving each
+    /// one's KV room (a session the budget refuses ends alone).
+    fn decode(&mut self, batch: &[SessionId]) {
+        let budget = self.budget.as_ref();
+        let mut ready: Vec<Due<'_>> = Vec::with_capacity(batch.len());
+        for (&id, s) in self.sessions.iter_mut() {
+            let EngineSession {
+                model,
+                session,
+                seen,
+                generation: Some(g),
+            } = s
+            else {
+                continue;
+            };
+            // A command since the step may have cancelled it.
+            let Phase::Forward { token } = g.phase else {
+                continue;
+            };
+            if !batch.contains(&id) {
+                continue;
+            }
+            let room = Room { id, budget };
+            match room.grow(session.as_mut(), 1) {
+                Ok(()) => ready.push(Due {
+                    id,
+                    model,
+                    session,
+                    seen,
+                    g,
+                    token,
+                }),
+                Err(f) => fail(id, g, f),
+            }
+        }
+        if ready.len() > 1 {
+            let tokens: Vec<u32> = ready.iter().map(|d| d.token).collect();
+            let mut cpu: Vec<&mut Session> = ready
+                .iter_mut()
+                .filter_map(|d| d.session.as_cpu())
+                .collect();
+            match forward_each(&mut cpu, &tokens) {
+                Ok(()) => {
+                    for d in &mut ready {
+                        d.g.shared_passes += 1;
+                        let Due {
+                            id,
+                            session,
+                            seen,
+                            g,
+                            token,
+                            ..
+                        } = d;
+                        let cpu = session
+                            .as_cpu()
+                            .expect("batches() groups CPU sessions only");
+                        if let Err(f) = next_token(g, seen, *token, cpu.logits()) {
+                            fail(*id, g, f);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("batched decode pass failed: {e}");
+                    for d in &mut ready {
+                        end_with_error(d.g, "Internal", &e.to_string());
+                    }
+                }
+            }
+        } else {
+            for d in &mut ready {
+                let room = Room { id: d.id, budget };
+                let result = forward(d.model, d.session.as_mut(), d.token, &room)
+                    .and_then(|logits| next_token(d.g, d.seen, d.token, logits));
+                if let Err(f) = result {
+                    fail(d.id, d.g, f);
+                }
+            }
+        }
+        for &id in batch {
+            self.settle(id);
         }
     }
 
@@ -549,6 +724,7 @@ fn end_done(g: &mut Generation, reason: &str) {
         time_to_first_token_s: g.prefill.as_secs_f64(),
         prefill_tokens_per_s: rate(g.prompt.len(), g.prefill),
         decode_tokens_per_s: rate(n.saturating_sub(1), decode),
+        shared_decode_passes: g.shared_passes,
     };
     queue(
         g,
@@ -560,41 +736,21 @@ fn end_done(g: &mut Generation, reason: &str) {
     g.phase = Phase::Ending;
 }
 
-/// One step of a generation, mirroring `leanstream_engine::generate::generate` (the same ids for
-/// the same settings), but one forward pass at a time.
-fn advance(
-    model: &LoadedModel,
-    session: &mut dyn Decode,
-    seen: &mut Vec<u32>,
-    g: &mut Generation,
-    room: &Room<'_>,
-) -> Step {
-    match flush(g) {
-        Err(_) => return Step::Over, // the reader closed its end: cancelled
-        Ok(true) => return Step::Blocked,
-        Ok(false) if g.phase == Phase::Ending => return Step::Over,
-        Ok(false) => {}
-    }
-    match compute(model, session, seen, g, room) {
-        Ok(()) => {}
-        Err(Failure::Budget(e)) => {
-            tracing::info!("session {}: generation ended: {e}", room.id);
+/// Ends `g` with the error event for `f`, logged as the kind of failure it is.
+fn fail(id: SessionId, g: &mut Generation, f: Failure) {
+    match f {
+        Failure::Budget(e) => {
+            tracing::info!("session {id}: generation ended: {e}");
             end_with_error(g, "OverBudget", &e.to_string());
         }
-        Err(Failure::Engine(e @ leanstream_engine::Error::Constraint(_))) => {
-            tracing::info!("session {}: generation ended by its grammar: {e}", room.id);
+        Failure::Engine(e @ leanstream_engine::Error::Constraint(_)) => {
+            tracing::info!("session {id}: generation ended by its grammar: {e}");
             end_with_error(g, "InvalidArgument", &e.to_string());
         }
-        Err(Failure::Engine(e)) => {
-            tracing::error!("generation failed: {e}");
+        Failure::Engine(e) => {
+            tracing::error!("session {id}: generation failed: {e}");
             end_with_error(g, "Internal", &e.to_string());
         }
-    }
-    match flush(g) {
-        Err(_) => Step::Over,
-        Ok(true) => Step::Blocked,
-        Ok(false) if g.phase == Phase::Ending => Step::Over,
-        Ok(false) => Step::Continue,
     }
 }
 
@@ -664,79 +820,96 @@ fn pick(g: &mut Generation, logits: &mut [f32]) -> leanstream_engine::Result<u32
     )
 }
 
-fn compute(
+/// Runs the next piece of the prompt, from token `fed`: a dense model takes up to [`MAX_BATCH`]
+/// tokens in one batched pass, like the engine's `generate` (the same pieces as its own split, so
+/// the same logits); a sparse pipeline one token a pass. After the last piece the first token is
+/// sampled.
+fn prefill(
     model: &LoadedModel,
     session: &mut dyn Decode,
     seen: &mut Vec<u32>,
     g: &mut Generation,
+    fed: usize,
     room: &Room<'_>,
 ) -> Result<(), Failure> {
-    match g.phase {
-        Phase::Prefill { fed } => {
-            // A dense model takes the prompt in batches, like the engine's `generate` (the same
-            // pieces as its own split, so the same logits); a sparse pipeline one token a pass.
-            let n = match model.ffn {
-                Some(_) => 1,
-                None => MAX_BATCH.min(g.prompt.len() - fed),
-            };
-            let piece = &g.prompt[fed..fed + n];
-            let logits = match model.ffn {
-                Some(_) => forward(model, session, piece[0], room)?,
-                None => {
-                    room.grow(session, n)?;
-                    session.forward_batch(piece)?
-                }
-            };
-            seen.extend_from_slice(piece);
-            if fed + n < g.prompt.len() {
-                g.phase = Phase::Prefill { fed: fed + n };
-            } else {
-                let next = pick(g, logits)?;
-                g.prefill = g.started.elapsed();
-                g.decode_start = Some(Instant::now());
-                g.phase = Phase::Decode { next };
-            }
+    let n = match model.ffn {
+        Some(_) => 1,
+        None => MAX_BATCH.min(g.prompt.len() - fed),
+    };
+    let piece = &g.prompt[fed..fed + n];
+    let logits = match model.ffn {
+        Some(_) => forward(model, session, piece[0], room)?,
+        None => {
+            room.grow(session, n)?;
+            session.forward_batch(piece)?
         }
-        Phase::Decode { next } => {
-            let tok = &model.model.tokenizer;
-            g.generated.push(next);
-            g.history.push(next);
-            // The end-of-generation token (`<|im_end|>`, `<end_of_turn>`) is reported by id
-            // but is not part of the text: a chat client keeps the text as the reply.
-            let piece = if tok.is_eos(next) {
-                String::new()
-            } else {
-                g.detok.push(tok, next)?
-            };
-            g.text.push_str(&piece);
-            queue(
-                g,
-                &StreamEvent::Token {
-                    id: next,
-                    text: piece,
-                },
-            );
-            // The token goes out now, not after the next forward pass. A full pipe keeps it
-            // pending (written when it drains); a closed one ends the generation at the next
-            // step's flush.
-            let _ = flush(g);
-            if tok.is_eos(next) {
-                end_done(g, "eos");
-            } else if g.spec.stop.iter().any(|s| g.text.contains(s.as_str())) {
-                end_done(g, "stop_string");
-            } else if g.generated.len() >= g.spec.max_tokens {
-                end_done(g, "max_tokens");
-            } else if session.position() >= session.max_context() {
-                end_done(g, "context_full");
-            } else {
-                let logits = forward(model, session, next, room)?;
-                seen.push(next);
-                let sampled = pick(g, logits)?;
-                g.phase = Phase::Decode { next: sampled };
-            }
-        }
-        Phase::Ending => {}
+    };
+    seen.extend_from_slice(piece);
+    if fed + n < g.prompt.len() {
+        g.phase = Phase::Prefill { fed: fed + n };
+    } else {
+        let next = pick(g, logits)?;
+        g.prefill = g.started.elapsed();
+        g.decode_start = Some(Instant::now());
+        g.phase = Phase::Decode { next };
     }
+    Ok(())
+}
+
+/// Writes token `next` to the stream, then either ends the generation (a stop rule) or leaves
+/// it waiting for `next`'s forward pass ([`Phase::Forward`]).
+fn emit(
+    model: &LoadedModel,
+    session: &dyn Decode,
+    g: &mut Generation,
+    next: u32,
+) -> Result<(), Failure> {
+    let tok = &model.model.tokenizer;
+    g.generated.push(next);
+    g.history.push(next);
+    // The end-of-generation token (`<|im_end|>`, `<end_of_turn>`) is reported by id but is not
+    // part of the text: a chat client keeps the text as the reply.
+    let piece = if tok.is_eos(next) {
+        String::new()
+    } else {
+        g.detok.push(tok, next)?
+    };
+    g.text.push_str(&piece);
+    queue(
+        g,
+        &StreamEvent::Token {
+            id: next,
+            text: piece,
+        },
+    );
+    // The token goes out now, before any forward pass. A full pipe keeps it pending (written
+    // when it drains); a closed one ends the generation when the scheduler settles it.
+    let _ = flush(g);
+    if tok.is_eos(next) {
+        end_done(g, "eos");
+    } else if g.spec.stop.iter().any(|s| g.text.contains(s.as_str())) {
+        end_done(g, "stop_string");
+    } else if g.generated.len() >= g.spec.max_tokens {
+        end_done(g, "max_tokens");
+    } else if session.position() >= session.max_context() {
+        end_done(g, "context_full");
+    } else {
+        g.phase = Phase::Forward { token: next };
+    }
+    Ok(())
+}
+
+/// After `token`'s forward pass: notes it in the KV cache's record and samples the next token
+/// from `logits`.
+fn next_token(
+    g: &mut Generation,
+    seen: &mut Vec<u32>,
+    token: u32,
+    logits: &mut [f32],
+) -> Result<(), Failure> {
+    seen.push(token);
+    let next = pick(g, logits)?;
+    g.phase = Phase::Decode { next };
     Ok(())
 }
 
@@ -1082,6 +1255,42 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The stats of a stream's `done` event.
+    fn done_stats(events: &[StreamEvent]) -> &StreamStats {
+        match events.last() {
+            Some(StreamEvent::Done { stats, .. }) => stats,
+            other => panic!("the stream did not end with done: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sessions_decoding_together_share_passes_and_keep_their_tokens() {
+        let fx = Fixture::new();
+        let file = fx.gguf("tiny");
+        let model = Arc::new(load(&fx, &file, ""));
+        let prompts = [PROMPT, "a bird sang", "one two three four five six"];
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| ids(&generate(&[(&model, p)])[0]))
+            .collect();
+        let runs: Vec<(&Arc<LoadedModel>, &str)> = prompts.iter().map(|p| (&model, *p)).collect();
+        let together = generate(&runs);
+        let mut shared = 0;
+        for (i, events) in together.iter().enumerate() {
+            assert_eq!(
+                ids(events),
+                alone[i],
+                "session {i}'s tokens beside the others"
+            );
+            shared += done_stats(events).shared_decode_passes;
+        }
+        for events in generate(&runs[..1]) {
+            assert_eq!(done_stats(&events).shared_decode_passes, 0, "alone");
+        }
+        // All three start within one round of each other: most of their passes are shared.
+        assert!(shared >= TOKENS, "shared passes: {shared}");
     }
 
     #[test]

@@ -11,17 +11,19 @@
 //! [`Session::kv_growth_bytes`] and [`Session::grow_kv`] let a scheduler reserve a block before
 //! it is allocated; a forward pass grows by itself when nobody did.
 
+mod pass;
 mod planned;
 mod scratch;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::cpu::{self, Disjoint, Kernels, Precision};
+use crate::backend::cpu::{self, Kernels, Precision};
 use crate::kv::{KvCache, KvType};
-use crate::model::{Down, LayerWeights, ModelConfig, Weights};
+use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use pass::{Pass, Row, Seat};
 pub use planned::Planned;
 use scratch::{Scratch, Shape};
 
@@ -211,17 +213,17 @@ impl Session {
     pub fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
         self.check_tokens(tokens)?;
         self.grow_kv(tokens.len())?;
-        let model = Arc::clone(&self.model);
-        for batch in tokens.chunks(MAX_BATCH) {
-            self.embed(batch)?;
-            for l in 0..model.weights.layers.len() {
-                let layer = model.layer(l)?;
-                self.attention(l, &layer, batch.len());
-                self.ffn(&layer, batch.len());
+        let last = tokens.chunks(MAX_BATCH).count() - 1;
+        for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
+            let mut pass = self.pass(batch.len());
+            pass.embed(batch)?;
+            pass.layers()?;
+            if b == last {
+                pass.head(&[batch.len() - 1])?;
             }
             self.pos += batch.len();
         }
-        self.head((tokens.len() - 1) % MAX_BATCH)
+        Ok(&mut self.s.logits)
     }
 
     /// Runs one token like [`Session::forward`], with each layer's FFN computed by `exec` instead
@@ -230,10 +232,12 @@ impl Session {
     pub fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         self.check_tokens(&[token])?;
         self.grow_kv(1)?;
-        self.embed(&[token])?;
-        self.layers_with(1, exec)?;
+        let mut pass = self.pass(1);
+        pass.embed(&[token])?;
+        pass.layers_with(exec)?;
+        pass.head(&[0])?;
         self.pos += 1;
-        self.head(0)
+        Ok(&mut self.s.logits)
     }
 
     /// Runs `tokens` at the next positions like [`Session::forward_batch`] (attention batched per
@@ -250,41 +254,49 @@ impl Session {
         self.check_tokens(tokens)?;
         self.grow_kv(tokens.len())?;
         for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
-            self.embed(batch)?;
-            self.layers_with(batch.len(), exec)?;
-            self.pos += batch.len();
+            let mut pass = self.pass(batch.len());
+            pass.embed(batch)?;
+            pass.layers_with(exec)?;
             for t in 0..batch.len() {
-                logits(b * MAX_BATCH + t, self.head(t)?)?;
+                pass.head(&[t])?;
+                logits(b * MAX_BATCH + t, pass.seats[0].logits)?;
             }
+            self.pos += batch.len();
         }
         Ok(())
     }
 
-    /// Every layer for the `n` tokens of a batch (already embedded), the FFN by `exec`.
-    fn layers_with(&mut self, n: usize, exec: &mut dyn FfnExecutor) -> Result<()> {
-        let model = Arc::clone(&self.model);
-        let d = model.weights.config.d_model;
-        let eps = model.weights.config.rms_eps;
-        for l in 0..model.weights.layers.len() {
-            let layer = model.layer(l)?;
-            for x in self.s.x[..n * d].chunks_exact(d) {
-                exec.begin_layer(l, x);
-            }
-            self.attention(l, &layer, n);
-            let s = &mut self.s;
-            for t in 0..n {
-                let (x, xn, out) = (
-                    &mut s.x[t * d..(t + 1) * d],
-                    &mut s.xn[t * d..(t + 1) * d],
-                    &mut s.proj[t * d..(t + 1) * d],
-                );
-                cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
-                exec.ffn(l, &layer, xn, out)?;
-                norm_rows(&layer.post_ffn_norm, out, d, eps);
-                cpu::add_inplace(x, out);
-            }
+    /// The logits of the last token run (what the last forward pass returned); mutable, for a
+    /// sampler that masks them in place.
+    pub fn logits(&mut self) -> &mut [f32] {
+        &mut self.s.logits
+    }
+
+    /// The precision of the session's mat-vecs.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// A pass over this session's next `n` positions, in its own workspace.
+    fn pass(&mut self, n: usize) -> Pass<'_> {
+        let pos = self.pos;
+        let Scratch {
+            work,
+            scores,
+            logits,
+        } = &mut self.s;
+        Pass {
+            model: &self.model,
+            kernels: self.kernels,
+            precision: self.precision,
+            work,
+            seats: vec![Seat {
+                kv: &mut self.kv,
+                scores,
+                logits,
+            }],
+            rows: (pos..pos + n).map(|pos| Row { seat: 0, pos }).collect(),
         }
-        Ok(())
     }
 
     /// Errors, before any work, if `tokens` is empty, holds an id outside the vocabulary or does
@@ -296,165 +308,85 @@ impl Session {
             tokens,
         )
     }
+}
 
-    /// Writes the embeddings of `batch` (at most [`MAX_BATCH`] tokens, at positions from
-    /// `self.pos`) into the residual stream and their RoPE angles into the table.
-    fn embed(&mut self, batch: &[u32]) -> Result<()> {
-        let model = &self.model;
-        let c = &model.weights.config;
-        let d = c.d_model;
-        for (t, &token) in batch.iter().enumerate() {
-            let x = &mut self.s.x[t * d..(t + 1) * d];
-            model.embed_row(token as usize, x)?;
-            if c.embedding_scale != 1.0 {
-                x.iter_mut().for_each(|v| *v *= c.embedding_scale);
-            }
-            self.s.set_rope(t, self.pos + t);
-        }
-        Ok(())
+/// Runs `tokens[i]` at the next position of `sessions[i]`, for every session at once: one pass
+/// over the weights for all of them (each weight row dotted with every session's activations,
+/// the output head included), attention over each session's own KV cache. Each session's logits
+/// ([`Session::logits`]) are the same, bit for bit, as [`Session::forward`] on it alone.
+///
+/// What a scheduler runs to advance several conversations of one model by a token each. The
+/// first session's workspace holds the batch.
+///
+/// Errors, before any work, unless there are as many tokens as sessions, at most [`MAX_BATCH`],
+/// all sessions share one model (the same `Arc`) and precision, and each token fits in its
+/// session's context; a session whose KV cache cannot grow errors with nothing run.
+pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()> {
+    let invalid = |reason: String| Error::InvalidArgument {
+        arg: "sessions",
+        reason,
+    };
+    let Some(first) = sessions.first() else {
+        return Err(invalid("no session to run".into()));
+    };
+    if tokens.len() != sessions.len() || tokens.len() > MAX_BATCH {
+        return Err(invalid(format!(
+            "{} tokens for {} sessions (at most {MAX_BATCH})",
+            tokens.len(),
+            sessions.len()
+        )));
     }
-
-    /// The output head over token `last` of the batch just run: final norm, then logits.
-    fn head(&mut self, last: usize) -> Result<&mut [f32]> {
-        let model = &self.model;
-        let w = &model.weights;
-        let c = &w.config;
-        let s = &mut self.s;
-        let d = c.d_model;
-        cpu::rmsnorm(
-            &mut s.xn[..d],
-            &s.x[last * d..(last + 1) * d],
-            &w.output_norm,
-            c.rms_eps,
-        );
-        let x = self
-            .kernels
-            .prepare(&s.xn[..d], self.precision, &mut s.acts);
-        let (k, logits) = (self.kernels, &mut s.logits);
-        model.for_each_head_piece(&mut |piece| {
-            k.matvecs(x, [(&piece.m, &mut logits[piece.rows.clone()])]);
-            Ok(())
-        })?;
-        Ok(&mut self.s.logits)
+    let (model, precision, kernels) = (Arc::clone(&first.model), first.precision, first.kernels);
+    if sessions
+        .iter()
+        .any(|s| !Arc::ptr_eq(&s.model, &model) || s.precision != precision)
+    {
+        return Err(invalid(
+            "a batch of sessions must share one model and precision".into(),
+        ));
     }
-
-    /// The attention block for the `n` tokens of a batch, at positions `self.pos..self.pos + n`.
-    fn attention(&mut self, l: usize, layer: &LayerWeights, n: usize) {
-        let c = &self.model.weights.config;
-        let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
-        let (pos0, p) = (self.pos, self.precision);
-        let (k, s) = (self.kernels, &mut self.s);
-        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
-            cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
-        }
-        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
-        k.matmats(
-            x,
-            n,
-            [
-                (&layer.wq, &mut s.q[..n * q_dim]),
-                (&layer.wk, &mut s.k[..n * kv_dim]),
-                (&layer.wv, &mut s.v[..n * kv_dim]),
-            ],
-        );
-        for t in 0..n {
-            let rope = s.rope_range(l, t);
-            let (q, kk, v) = (
-                &mut s.q[t * q_dim..(t + 1) * q_dim],
-                &mut s.k[t * kv_dim..(t + 1) * kv_dim],
-                &mut s.v[t * kv_dim..(t + 1) * kv_dim],
-            );
-            finish_qkv(c, layer, &s.rope[rope], q, kk, v);
-
-            // KV cache write at this token's position, in the cache's type.
-            self.kv.write(l, pos0 + t, kk, v);
-        }
-        let kv = &self.kv;
-
-        // Causal attention, one query head per task (all tokens of the batch in order, token `t`
-        // seeing positions `0..=pos0 + t`); GQA maps `group` query heads to a KV head.
-        let group = c.n_heads / c.n_kv_heads;
-        let window = c.layer_attention(l).window;
-        let q = &s.q;
-        let max_context = self.max_context;
-        let att = Disjoint::new(&mut s.att);
-        let all_scores = Disjoint::new(&mut s.scores);
-        cpu::for_each_chunk(c.n_heads, 1, |heads| {
-            for h in heads {
-                for t in 0..n {
-                    let pos = pos0 + t;
-                    let o = t * q_dim + h * hd;
-                    // SAFETY: each head is handed out once; head `h` alone uses its score row and
-                    // its `hd` outputs of every token.
-                    let (out, scores) = unsafe {
-                        (
-                            att.range(o..o + hd),
-                            all_scores.range(h * max_context..h * max_context + pos + 1),
-                        )
-                    };
-                    let kv_off = (h / group) * hd;
-                    let spans = kv.spans(l, pos + 1);
-                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    cpu::attend_spans(k, &q[o..o + hd], spans, kv_dim, kv_off, first, scores, out);
-                }
-            }
+    for (s, &token) in sessions.iter().zip(tokens) {
+        s.check_tokens(&[token])?;
+    }
+    for s in sessions.iter_mut() {
+        s.grow_kv(1)?;
+    }
+    let mut work = None;
+    let mut seats = Vec::with_capacity(sessions.len());
+    let mut rows = Vec::with_capacity(sessions.len());
+    for (i, s) in sessions.iter_mut().enumerate() {
+        let Scratch {
+            work: w,
+            scores,
+            logits,
+        } = &mut s.s;
+        work.get_or_insert(w);
+        seats.push(Seat {
+            kv: &mut s.kv,
+            scores,
+            logits,
         });
-
-        let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
-        k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
-        norm_rows(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
-        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
-    }
-
-    /// The FFN block for the `n` tokens of a batch.
-    fn ffn(&mut self, layer: &LayerWeights, n: usize) {
-        let c = &self.model.weights.config;
-        let (d, n_ff, p) = (c.d_model, c.n_ff, self.precision);
-        let (k, s) = (self.kernels, &mut self.s);
-        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
-            cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
-        }
-        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
-        // Gate and up rows of the same neurons in one task (for every token of the batch), the
-        // activation applied in place.
-        let (gate, up) = (Disjoint::new(&mut s.gate), Disjoint::new(&mut s.up));
-        let activation = c.activation;
-        let chunk = n_ff
-            .div_ceil(4 * rayon::current_num_threads())
-            .max(cpu::FUSED_ROWS);
-        cpu::for_each_chunk(n_ff, chunk, |r| {
-            for t in 0..n {
-                let o = t * n_ff;
-                // SAFETY: each neuron range is handed out once, so these sub-slices of distinct
-                // tasks do not overlap.
-                let (g, u) = unsafe {
-                    (
-                        gate.range(o + r.start..o + r.end),
-                        up.range(o + r.start..o + r.end),
-                    )
-                };
-                let xt = x.token(t, n);
-                k.rows_dot(&layer.ffn.gate, r.start, xt, g);
-                k.rows_dot(&layer.ffn.up, r.start, xt, u);
-                activation.gate_inplace(g, u);
-            }
+        rows.push(Row {
+            seat: i,
+            pos: s.pos,
         });
-        match &layer.ffn.down {
-            Down::Rows(m) => {
-                let x = k.prepare(&s.gate[..n * n_ff], DOWN_PRECISION, &mut s.acts);
-                k.matmats(x, n, [(m, &mut s.proj[..n * d])]);
-            }
-            Down::Neurons(m) => {
-                for t in 0..n {
-                    let act = &s.gate[t * n_ff..(t + 1) * n_ff];
-                    let proj = &mut s.proj[t * d..(t + 1) * d];
-                    cpu::down_neurons(k, m, act, &mut s.partials, proj);
-                }
-            }
-        }
-        norm_rows(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
-        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
     }
+    let mut pass = Pass {
+        model: &model,
+        kernels,
+        precision,
+        work: work.expect("at least one session"),
+        seats,
+        rows,
+    };
+    pass.embed(tokens)?;
+    pass.layers()?;
+    let all: Vec<usize> = (0..tokens.len()).collect();
+    pass.head(&all)?;
+    for s in sessions.iter_mut() {
+        s.pos += 1;
+    }
+    Ok(())
 }
 
 /// The steps of one token between its Q/K/V projections and attention, shared by every CPU

@@ -33,6 +33,11 @@ pub trait Decode: std::fmt::Debug {
     fn grow_kv(&mut self, tokens: usize) -> Result<()>;
     /// Forgets the conversation and frees the KV memory it can give back.
     fn release_kv(&mut self);
+    /// The CPU session behind this one, which [`crate::forward::forward_each`] can batch with
+    /// others; `None` for any other kind (the GPU's, a wrapper).
+    fn as_cpu(&mut self) -> Option<&mut Session> {
+        None
+    }
     /// Bytes of GPU memory held (weights, KV cache, scratch); `None` on the CPU.
     fn device_bytes(&self) -> Option<u64> {
         None
@@ -72,6 +77,9 @@ impl Decode for Session {
     }
     fn release_kv(&mut self) {
         Session::release_kv(self)
+    }
+    fn as_cpu(&mut self) -> Option<&mut Session> {
+        Some(self)
     }
 }
 

@@ -328,6 +328,7 @@ fn token_events(text: &str, params: &GenerateParams) -> Vec<StreamEvent> {
             time_to_first_token_s: 0.01,
             prefill_tokens_per_s: 400.0,
             decode_tokens_per_s: 100.0,
+            shared_decode_passes: 0,
         },
     });
     events

@@ -7,22 +7,30 @@ use super::MAX_BATCH;
 use crate::backend::cpu::QuantizedActs;
 use crate::model::ModelConfig;
 
-/// Per-session scratch, sized once for [`MAX_BATCH`] tokens. Per-token buffers are token-major:
-/// token `t` of a batch owns `[t * len..(t + 1) * len]`.
+/// Per-session scratch: the batch workspace and the conversation's own attention scores and
+/// logits (apart, so that a pass of several sessions can run in one session's workspace and
+/// write every session's own buffers).
 #[derive(Debug)]
 pub(super) struct Scratch {
+    pub work: Work,
+    pub scores: Vec<f32>, // (n_heads, max_context) attention weights
+    pub logits: Vec<f32>, // (vocab) of the last token of a batch
+}
+
+/// The workspace of a forward pass, sized once for [`MAX_BATCH`] tokens. Per-token buffers are
+/// token-major: token `t` of a batch owns `[t * len..(t + 1) * len]`.
+#[derive(Debug)]
+pub(super) struct Work {
     pub x: Vec<f32>,               // (MAX_BATCH, d_model) residual stream
     pub xn: Vec<f32>,              // (MAX_BATCH, d_model) normalised input of a sub-block
     pub q: Vec<f32>,               // (MAX_BATCH, q_dim)
     pub k: Vec<f32>,               // (MAX_BATCH, kv_dim)
     pub v: Vec<f32>,               // (MAX_BATCH, kv_dim)
     pub att: Vec<f32>,             // (MAX_BATCH, q_dim) attention output, all heads
-    pub scores: Vec<f32>,          // (n_heads, max_context) attention weights
     pub proj: Vec<f32>, // (MAX_BATCH, d_model) output of a projection before the residual add
     pub gate: Vec<f32>, // (MAX_BATCH, n_ff)
     pub up: Vec<f32>,   // (MAX_BATCH, n_ff)
     pub partials: Vec<f32>, // (n_parts, d_model) per-task sums of neuron-major down columns
-    pub logits: Vec<f32>, // (vocab) of the last token of a batch
     pub acts: QuantizedActs, // (MAX_BATCH, longest input) activations quantised for Fast
     pub rope_freqs: Vec<Vec<f32>>, // (tables, head_dim / 2) RoPE frequencies
     pub rope_of_layer: Vec<usize>, // (n_layers) the table each layer rotates with
@@ -90,26 +98,37 @@ impl Scratch {
         let (mut rope_freqs, rope_of_layer) = c.rope_tables();
         rope_freqs.shrink_to_fit(); // what `Shape::bytes` counts: one slot per table
 
-        Scratch {
+        let work = Work {
             x: vec![0.0; b * shape.d_model],
             xn: vec![0.0; b * shape.d_model],
             q: vec![0.0; b * shape.q_dim],
             k: vec![0.0; b * shape.kv_dim],
             v: vec![0.0; b * shape.kv_dim],
             att: vec![0.0; b * shape.q_dim],
-            scores: vec![0.0; shape.scores],
             proj: vec![0.0; b * shape.d_model],
             gate: vec![0.0; b * shape.n_ff],
             up: vec![0.0; b * shape.n_ff],
             partials: vec![0.0; shape.partials],
-            logits: vec![0.0; shape.vocab],
             acts: QuantizedActs::new(shape.acts),
             rope: vec![(0.0, 1.0); shape.tables * b * shape.half],
             rope_freqs,
             rope_of_layer,
+        };
+        Scratch {
+            work,
+            scores: vec![0.0; shape.scores],
+            logits: vec![0.0; shape.vocab],
         }
     }
 
+    /// Heap bytes held now, from the buffers' capacities.
+    pub fn bytes(&self) -> u64 {
+        self.work.bytes()
+            + ((self.scores.capacity() + self.logits.capacity()) * size_of::<f32>()) as u64
+    }
+}
+
+impl Work {
     /// Heap bytes held now, from the buffers' capacities.
     pub fn bytes(&self) -> u64 {
         let floats = [
@@ -119,12 +138,10 @@ impl Scratch {
             &self.k,
             &self.v,
             &self.att,
-            &self.scores,
             &self.proj,
             &self.gate,
             &self.up,
             &self.partials,
-            &self.logits,
         ]
         .iter()
         .map(|v| v.capacity())

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
-use leanstream_engine::forward::{Model, Session};
+use leanstream_engine::forward::{Model, Session, forward_each};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::model::{gguf, lsm, safetensors};
@@ -273,6 +273,81 @@ fn batched_prefill_equals_token_by_token_for_every_architecture() {
         let got = batched.forward_batch(&TOKENS).expect("forward");
         assert_eq!(want, got, "{arch:?}");
     }
+}
+
+/// Several conversations advanced by one pass of `forward_each` get the logits each would get
+/// alone, bit for bit: every flavour, both precisions, sessions at different positions (one past
+/// the sliding window) with different KV types.
+#[test]
+fn sessions_decoded_together_match_each_decoded_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let prompts: [&[u32]; 3] = [&TOKENS, &TOKENS[..3], &[5]];
+    let kv = [KvType::F32, KvType::F16, KvType::F32];
+    for arch in TinyArch::ALL {
+        let path = dir.path().join(format!("{arch:?}.gguf"));
+        TinyLlama::with_arch(11, arch)
+            .write_gguf(&path, DType::Q8_0)
+            .expect("write");
+        let model = Model::load(&path).expect("load");
+        for precision in [Precision::Exact, Precision::Fast] {
+            let open = |kv| Session::new(model.clone(), 64, precision, kv).expect("session");
+            let mut alone: Vec<Session> = kv.iter().map(|&k| open(k)).collect();
+            let mut together: Vec<Session> = kv.iter().map(|&k| open(k)).collect();
+            for (s, p) in alone
+                .iter_mut()
+                .chain(together.iter_mut())
+                .zip(prompts.iter().cycle())
+            {
+                s.forward_batch(p).expect("prompt");
+            }
+            for step in 0..6u32 {
+                let tokens: Vec<u32> = (0..3).map(|i| 10 + 7 * step + i).collect();
+                let mut batch: Vec<&mut Session> = together.iter_mut().collect();
+                forward_each(&mut batch, &tokens).expect("forward_each");
+                for (i, s) in alone.iter_mut().enumerate() {
+                    let want = s.forward(tokens[i]).expect("forward").to_vec();
+                    assert_eq!(
+                        want,
+                        together[i].logits(),
+                        "{arch:?} {precision:?}: session {i}, step {step}"
+                    );
+                    assert_eq!(s.position(), together[i].position());
+                }
+            }
+        }
+    }
+}
+
+/// `forward_each` refuses, before any work, a batch it cannot run as one pass.
+#[test]
+fn forward_each_rejects_mismatched_batches_before_any_work() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    TinyLlama::new(3)
+        .write_gguf(&path, DType::Q8_0)
+        .expect("write");
+    let (a, b) = (
+        Model::load(&path).expect("load"),
+        Model::load(&path).expect("load"),
+    );
+    let open = |m: &std::sync::Arc<Model>, p| {
+        Session::new(m.clone(), 64, p, KvType::F32).expect("session")
+    };
+    let (mut s1, mut s2) = (open(&a, Precision::Exact), open(&a, Precision::Exact));
+    let err = forward_each(&mut [&mut s1, &mut s2], &[1]).expect_err("one token for two");
+    assert!(err.to_string().contains("1 tokens for 2 sessions"), "{err}");
+    let mut other_model = open(&b, Precision::Exact);
+    let err = forward_each(&mut [&mut s1, &mut other_model], &[1, 2]).expect_err("two models");
+    assert!(err.to_string().contains("one model"), "{err}");
+    let mut fast = open(&a, Precision::Fast);
+    assert!(
+        forward_each(&mut [&mut s1, &mut fast], &[1, 2]).is_err(),
+        "two precisions"
+    );
+    let err = forward_each(&mut [&mut s1, &mut s2], &[1, 1 << 30]).expect_err("bad id");
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    assert_eq!((s1.position(), s2.position()), (0, 0), "nothing ran");
+    assert!(forward_each(&mut [], &[]).is_err());
 }
 
 /// Llama 3.x frequency scaling: `rope_freqs.weight` divides the RoPE frequencies; the engine

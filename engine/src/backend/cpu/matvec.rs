@@ -172,17 +172,26 @@ impl<'a> Disjoint<'a> {
     }
 }
 
+/// The mat-vecs of a batch in one parallel region: job `j` is a matrix and one output slice of
+/// its rows per token (`outs[t]` gets `m · x_t`).
 pub(super) fn fused_matvecs<const N: usize>(
     k: &Kernels,
     x: Prepared<'_>,
     n_tokens: usize,
-    jobs: [(&QRows, &mut [f32]); N],
+    jobs: [(&QRows, Vec<&mut [f32]>); N],
 ) {
     assert!(n_tokens > 0, "a batch of no tokens");
-    let jobs = jobs.map(|(m, out)| {
-        assert_eq!(out.len(), n_tokens * m.rows, "output length vs matrix rows");
+    let jobs = jobs.map(|(m, outs)| {
+        assert_eq!(outs.len(), n_tokens, "one output per token");
         assert_eq!(x.len(), n_tokens * m.cols, "activations vs matrix columns");
-        (m, Disjoint::new(out))
+        let outs: Vec<Disjoint<'_>> = outs
+            .into_iter()
+            .map(|out| {
+                assert_eq!(out.len(), m.rows, "output length vs matrix rows");
+                Disjoint::new(out)
+            })
+            .collect();
+        (m, outs)
     });
     let counts = jobs.each_ref().map(|(m, _)| m.rows.div_ceil(FUSED_ROWS));
     let total: usize = counts.iter().sum();
@@ -194,13 +203,12 @@ pub(super) fn fused_matvecs<const N: usize>(
                 i -= counts[j];
                 j += 1;
             }
-            let (m, out) = &jobs[j];
+            let (m, outs) = &jobs[j];
             let r = i * FUSED_ROWS..((i + 1) * FUSED_ROWS).min(m.rows);
-            for t in 0..n_tokens {
-                let o = t * m.rows;
+            for (t, out) in outs.iter().enumerate() {
                 // SAFETY: `for_each_chunk` hands out each item once, and distinct items of job
                 // `j` map to disjoint row ranges of each token's output.
-                let out = unsafe { out.range(o + r.start..o + r.end) };
+                let out = unsafe { out.range(r.clone()) };
                 k.rows_dot(m, r.start, x.token(t, n_tokens), out);
             }
         }

@@ -342,7 +342,7 @@ impl Kernels {
     ///
     /// Panics unless every `out_j.len() == m_j.rows` and `x.len() == m_j.cols`.
     pub fn matvecs<const N: usize>(&self, x: Prepared<'_>, jobs: [(&QRows, &mut [f32]); N]) {
-        matvec::fused_matvecs(self, x, 1, jobs);
+        matvec::fused_matvecs(self, x, 1, jobs.map(|(m, out)| (m, vec![out])));
     }
 
     /// [`Kernels::matvecs`] for a batch: `x` holds `n_tokens` token-major activation vectors
@@ -357,7 +357,21 @@ impl Kernels {
         n_tokens: usize,
         jobs: [(&QRows, &mut [f32]); N],
     ) {
+        let jobs = jobs.map(|(m, out)| {
+            assert_eq!(out.len(), n_tokens * m.rows, "output length vs matrix rows");
+            (m, out.chunks_exact_mut(m.rows.max(1)).collect())
+        });
         matvec::fused_matvecs(self, x, n_tokens, jobs);
+    }
+
+    /// [`Kernels::matmats`] of one matrix whose per-token outputs are separate slices (`outs[t]`
+    /// of `m.rows` values gets token `t`'s result): a batch of several conversations writes each
+    /// one's logits in place.
+    ///
+    /// Panics unless there is one output per token, each of `m.rows` values.
+    pub fn matmat_each(&self, x: Prepared<'_>, m: &QRows, outs: Vec<&mut [f32]>) {
+        let n_tokens = outs.len();
+        matvec::fused_matvecs(self, x, n_tokens, [(m, outs)]);
     }
 
     /// [`matvec`] with this table.

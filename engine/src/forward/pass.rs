@@ -1,0 +1,252 @@
+//! One forward pass over a batch of rows (tokens) that may belong to several conversations.
+//!
+//! A row is one token at one position of one conversation (its *seat*: KV cache, attention
+//! scores, logits). A prompt is a batch of consecutive rows of one seat; a decode step of
+//! several sessions on the same model is a batch of one row per seat. Every projection reads each
+//! weight row once for the whole batch; attention reads each row's own KV cache. The kernels see
+//! the same numbers for a row whatever else is in its batch, so a conversation's logits are the
+//! same bit for bit whether it runs alone or beside others.
+
+use super::scratch::Work;
+use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
+use crate::Result;
+use crate::backend::cpu::{self, Disjoint, Kernels, Precision};
+use crate::kv::KvCache;
+use crate::model::{Down, LayerWeights};
+
+/// What a pass needs of one conversation.
+pub(super) struct Seat<'a> {
+    pub kv: &'a mut KvCache,
+    /// `(n_heads, max_context)` attention weights.
+    pub scores: &'a mut [f32],
+    /// `vocab` logits, written by [`Pass::head`].
+    pub logits: &'a mut [f32],
+}
+
+/// One token of the batch: the conversation it belongs to and its position there.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Row {
+    pub seat: usize,
+    pub pos: usize,
+}
+
+/// A forward pass in progress: the shared model, the batch's workspace (one session's scratch,
+/// sized for [`MAX_BATCH`] rows) and the seats its rows belong to.
+pub(super) struct Pass<'a> {
+    pub model: &'a Model,
+    pub kernels: &'static Kernels,
+    pub precision: Precision,
+    pub work: &'a mut Work,
+    pub seats: Vec<Seat<'a>>,
+    pub rows: Vec<Row>,
+}
+
+impl Pass<'_> {
+    /// Writes the embeddings of `tokens` (one per row, in order) into the residual stream and
+    /// their RoPE angles into the table.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<()> {
+        assert!(tokens.len() == self.rows.len() && tokens.len() <= MAX_BATCH);
+        let c = &self.model.weights.config;
+        let d = c.d_model;
+        for (t, (&token, row)) in tokens.iter().zip(&self.rows).enumerate() {
+            let x = &mut self.work.x[t * d..(t + 1) * d];
+            self.model.embed_row(token as usize, x)?;
+            if c.embedding_scale != 1.0 {
+                x.iter_mut().for_each(|v| *v *= c.embedding_scale);
+            }
+            self.work.set_rope(t, row.pos);
+        }
+        Ok(())
+    }
+
+    /// Every layer, dense.
+    pub fn layers(&mut self) -> Result<()> {
+        for l in 0..self.model.weights.layers.len() {
+            let layer = self.model.layer(l)?;
+            self.attention(l, &layer);
+            self.ffn(&layer);
+        }
+        Ok(())
+    }
+
+    /// Every layer, the FFN of each row computed by `exec` (the sparse pipelines).
+    pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor) -> Result<()> {
+        let c = &self.model.weights.config;
+        let (d, eps, n) = (c.d_model, c.rms_eps, self.rows.len());
+        for l in 0..self.model.weights.layers.len() {
+            let layer = self.model.layer(l)?;
+            for x in self.work.x[..n * d].chunks_exact(d) {
+                exec.begin_layer(l, x);
+            }
+            self.attention(l, &layer);
+            let s = &mut *self.work;
+            for t in 0..n {
+                let (x, xn, out) = (
+                    &mut s.x[t * d..(t + 1) * d],
+                    &mut s.xn[t * d..(t + 1) * d],
+                    &mut s.proj[t * d..(t + 1) * d],
+                );
+                cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
+                exec.ffn(l, &layer, xn, out)?;
+                norm_rows(&layer.post_ffn_norm, out, d, eps);
+                cpu::add_inplace(x, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// The output head over the rows listed in `rows` (indices into the batch, each of a
+    /// different seat): final norm, then each one's logits into its seat, in one pass over the
+    /// head's weights.
+    pub fn head(&mut self, rows: &[usize]) -> Result<()> {
+        let w = &self.model.weights;
+        let c = &w.config;
+        let d = c.d_model;
+        let s = &mut *self.work;
+        for (i, &t) in rows.iter().enumerate() {
+            let (xn, x) = (&mut s.xn[i * d..(i + 1) * d], &s.x[t * d..(t + 1) * d]);
+            cpu::rmsnorm(xn, x, &w.output_norm, c.rms_eps);
+        }
+        let x = self
+            .kernels
+            .prepare(&s.xn[..rows.len() * d], self.precision, &mut s.acts);
+        let k = self.kernels;
+        let (seats, batch) = (&mut self.seats, &self.rows);
+        self.model.for_each_head_piece(&mut |piece| {
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(rows.len());
+            // Each listed row names a distinct seat, so each logits slice is borrowed once.
+            let mut by_seat: Vec<Option<&mut [f32]>> =
+                seats.iter_mut().map(|s| Some(&mut *s.logits)).collect();
+            for &t in rows {
+                let logits = by_seat[batch[t].seat]
+                    .take()
+                    .expect("one head row per seat");
+                outs.push(&mut logits[piece.rows.clone()]);
+            }
+            k.matmat_each(x, &piece.m, outs);
+            Ok(())
+        })
+    }
+
+    /// The attention block over the batch: each row attends over its own seat's positions
+    /// `0..=pos`, after writing its key and value there.
+    fn attention(&mut self, l: usize, layer: &LayerWeights) {
+        let c = &self.model.weights.config;
+        let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
+        let (n, p) = (self.rows.len(), self.precision);
+        let (k, s) = (self.kernels, &mut *self.work);
+        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
+            cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
+        }
+        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
+        k.matmats(
+            x,
+            n,
+            [
+                (&layer.wq, &mut s.q[..n * q_dim]),
+                (&layer.wk, &mut s.k[..n * kv_dim]),
+                (&layer.wv, &mut s.v[..n * kv_dim]),
+            ],
+        );
+        for (t, row) in self.rows.iter().enumerate() {
+            let rope = s.rope_range(l, t);
+            let (q, kk, v) = (
+                &mut s.q[t * q_dim..(t + 1) * q_dim],
+                &mut s.k[t * kv_dim..(t + 1) * kv_dim],
+                &mut s.v[t * kv_dim..(t + 1) * kv_dim],
+            );
+            finish_qkv(c, layer, &s.rope[rope], q, kk, v);
+            // KV cache write at this row's position, in its cache's type.
+            self.seats[row.seat].kv.write(l, row.pos, kk, v);
+        }
+
+        // Causal attention, one query head per task (every row in order, row `t` seeing its
+        // seat's positions `0..=pos`); GQA maps `group` query heads to a KV head.
+        let group = c.n_heads / c.n_kv_heads;
+        let window = c.layer_attention(l).window;
+        let q = &s.q;
+        let (kvs, scores): (Vec<&KvCache>, Vec<Disjoint<'_>>) = self
+            .seats
+            .iter_mut()
+            .map(|seat| (&*seat.kv, Disjoint::new(seat.scores)))
+            .unzip();
+        let rows = &self.rows;
+        let att = Disjoint::new(&mut s.att);
+        cpu::for_each_chunk(c.n_heads, 1, |heads| {
+            for h in heads {
+                for (t, row) in rows.iter().enumerate() {
+                    let (kv, seat_scores) = (kvs[row.seat], &scores[row.seat]);
+                    let ctx = seat_scores.len() / c.n_heads;
+                    let o = t * q_dim + h * hd;
+                    // SAFETY: each head is handed out once; head `h` alone uses its score row of
+                    // every seat and its `hd` outputs of every row.
+                    let (out, scores) = unsafe {
+                        (
+                            att.range(o..o + hd),
+                            seat_scores.range(h * ctx..h * ctx + row.pos + 1),
+                        )
+                    };
+                    let kv_off = (h / group) * hd;
+                    let spans = kv.spans(l, row.pos + 1);
+                    let first = window.map_or(0, |w| (row.pos + 1).saturating_sub(w));
+                    cpu::attend_spans(k, &q[o..o + hd], spans, kv_dim, kv_off, first, scores, out);
+                }
+            }
+        });
+
+        let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
+        k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
+        norm_rows(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
+        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+    }
+
+    /// The FFN block over the batch.
+    fn ffn(&mut self, layer: &LayerWeights) {
+        let c = &self.model.weights.config;
+        let (d, n_ff, p, n) = (c.d_model, c.n_ff, self.precision, self.rows.len());
+        let (k, s) = (self.kernels, &mut *self.work);
+        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
+            cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
+        }
+        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
+        // Gate and up rows of the same neurons in one task (for every row of the batch), the
+        // activation applied in place.
+        let (gate, up) = (Disjoint::new(&mut s.gate), Disjoint::new(&mut s.up));
+        let activation = c.activation;
+        let chunk = n_ff
+            .div_ceil(4 * rayon::current_num_threads())
+            .max(cpu::FUSED_ROWS);
+        cpu::for_each_chunk(n_ff, chunk, |r| {
+            for t in 0..n {
+                let o = t * n_ff;
+                // SAFETY: each neuron range is handed out once, so these sub-slices of distinct
+                // tasks do not overlap.
+                let (g, u) = unsafe {
+                    (
+                        gate.range(o + r.start..o + r.end),
+                        up.range(o + r.start..o + r.end),
+                    )
+                };
+                let xt = x.token(t, n);
+                k.rows_dot(&layer.ffn.gate, r.start, xt, g);
+                k.rows_dot(&layer.ffn.up, r.start, xt, u);
+                activation.gate_inplace(g, u);
+            }
+        });
+        match &layer.ffn.down {
+            Down::Rows(m) => {
+                let x = k.prepare(&s.gate[..n * n_ff], DOWN_PRECISION, &mut s.acts);
+                k.matmats(x, n, [(m, &mut s.proj[..n * d])]);
+            }
+            Down::Neurons(m) => {
+                for t in 0..n {
+                    let act = &s.gate[t * n_ff..(t + 1) * n_ff];
+                    let proj = &mut s.proj[t * d..(t + 1) * d];
+                    cpu::down_neurons(k, m, act, &mut s.partials, proj);
+                }
+            }
+        }
+        norm_rows(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
+        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+    }
+}
