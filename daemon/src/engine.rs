@@ -224,6 +224,10 @@ struct Scheduler {
 }
 
 /// A session whose decode pass is due, borrowed apart for [`Scheduler::decode`].
+/// What sessions must share to run in one decode pass: the same loaded model (by address) and the
+/// same CPU precision.
+type BatchKey = (usize, Precision);
+
 struct Due<'a> {
     id: SessionId,
     model: &'a LoadedModel,
@@ -524,7 +528,7 @@ impl Scheduler {
     /// sessions of the same dense model and precision, at most [`MAX_BATCH`] a pass. Others
     /// (a sparse pipeline, the GPU) run alone.
     fn batches(&mut self, due: Vec<SessionId>) -> Vec<Vec<SessionId>> {
-        let mut groups: Vec<(Option<(usize, Precision)>, Vec<SessionId>)> = Vec::new();
+        let mut groups: Vec<(Option<BatchKey>, Vec<SessionId>)> = Vec::new();
         for id in due {
             let Some(s) = self.sessions.get_mut(&id) else {
                 continue;
