@@ -1,61 +1,81 @@
-//! Concurrency benchmark (not a test: timings never go in tests). Starts a private bus and the
-//! real daemon through the harness, then for N = 1, 4, 8 concurrent clients (separate
-//! connections, one session each, the same prompt, greedy, 32 tokens) measures per client the
-//! time to first token (from the Generate call to the first token event) and the decode rate
-//! (tokens after the first ÷ time from the first to the last token). Prints a table; writes JSON
-//! to the path given as the first argument, if any.
+//! Many-clients benchmark (not a test: timings never go in tests). Starts a private bus and the
+//! real daemon through the harness (budget 1 GiB, the real model), then for N = 1, 4, 8, 16
+//! concurrent clients (separate connections, one session each, a different prompt each, greedy,
+//! 24 tokens) measures per client the time to first token (from the Generate call to the first
+//! token event reaching the client) and, for the run, the aggregate rate (every client's tokens ÷
+//! wall time from the first Generate call to the last token). Every client's tokens are compared
+//! with the same prompt generated alone, before the timed runs: a difference fails the benchmark.
+//! Prints a table; writes JSON to the path given as the first argument, if any.
 //!
 //! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json]`
-//! (the test profile: the harness builds the daemon with it and looks for it next to this binary).
+//! (the test profile: the harness builds the daemon with it and looks for it next to this binary;
+//! `LEANSTREAMD_BIN` runs another daemon binary, e.g. an older build, against the same clients).
 
 use std::time::{Duration, Instant};
 
 use leanstream_e2e::*;
 
-const TOKENS: u32 = 32;
+const TOKENS: u32 = 24;
+const CLIENTS: [usize; 4] = [1, 4, 8, 16];
+
+/// One prompt per client: different texts and lengths, as separate apps would send.
+const PROMPTS: [&str; 16] = [
+    STORY_PROMPT,
+    "The robot arm picked up the red block and",
+    "Here is a short list of fruits: apple,",
+    "To make a cup of tea, first",
+    "The weather today is",
+    "In the year 2050, cities will",
+    "My favourite book is about a dragon who",
+    "The quick brown fox",
+    "Water boils at one hundred degrees because",
+    "A good morning routine starts with",
+    "The planet Mars is known for",
+    "When the battery runs low, the robot should",
+    "Dear friend, I am writing to tell you that",
+    "The three primary colours are",
+    "Once a week, the gardener",
+    "The train left the station at noon and",
+];
 
 struct Sample {
+    ids: Vec<u32>,
     ttft: Duration,
-    decode_tok_s: f64,
-    tokens: usize,
     started: Instant,
     last: Instant,
 }
 
 async fn one(
     client: Client,
+    prompt: &'static str,
     start: std::sync::Arc<tokio::sync::Barrier>,
 ) -> anyhow::Result<Sample> {
     let session = client.open(128).await?;
     start.wait().await;
     let started = Instant::now();
-    let fd = session.generate(STORY_PROMPT, &greedy(TOKENS)).await?;
+    let fd = session.generate(prompt, &greedy(TOKENS)).await?;
     let (out, arrivals) = read_stream_timed(fd).await?;
     session.close().await?;
     let (Some(&first), Some(&last)) = (arrivals.first(), arrivals.last()) else {
         anyhow::bail!("no tokens: {:?}", out.end);
     };
-    let decode = last.duration_since(first).as_secs_f64();
     Ok(Sample {
+        ids: out.ids,
         ttft: first.duration_since(started),
-        decode_tok_s: if decode > 0.0 {
-            (arrivals.len() - 1) as f64 / decode
-        } else {
-            0.0
-        },
-        tokens: arrivals.len(),
         started,
         last,
     })
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The `q`-quantile of `v` (nearest rank).
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    if v.is_empty() {
+        return 0.0;
     }
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
 }
 
 fn main() -> anyhow::Result<()> {
@@ -66,68 +86,86 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         let bus = Bus::start()?;
-        let _daemon = Daemon::start(&bus, &DaemonConfig::default()).await?;
+        let config = DaemonConfig {
+            budget: "1GiB".into(),
+            max_sessions: 32,
+            ..DaemonConfig::default()
+        };
+        let _daemon = Daemon::start(&bus, &config).await?;
         let admin = Client::new(&bus).await?;
         admin.manager.load_model(MODEL).await?;
-        // Warm-up: one generation, not measured.
-        generate_once(&admin, STORY_PROMPT, 8).await?;
+        // Each prompt alone: the tokens every concurrent run must reproduce (and the warm-up).
+        let mut alone = Vec::new();
+        for prompt in PROMPTS {
+            alone.push(generate_once(&admin, prompt, TOKENS).await?.ids);
+        }
 
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        println!("prompt {STORY_PROMPT:?}, greedy, {TOKENS} tokens, {cores} cores");
         println!(
-            "{:>3} | {:>16} | {:>13} | {:>20} | {:>15}",
-            "N", "median TTFT (ms)", "max TTFT (ms)", "median client tok/s", "aggregate tok/s"
+            "{} prompts, greedy, {TOKENS} tokens, {cores} cores",
+            PROMPTS.len()
+        );
+        println!(
+            "{:>3} | {:>14} | {:>14} | {:>14} | {:>15} | {:>9}",
+            "N", "TTFT p50 (ms)", "TTFT p95 (ms)", "TTFT max (ms)", "aggregate tok/s", "identical"
         );
         let mut rows = Vec::new();
-        for n in [1usize, 4, 8] {
+        let mut all_identical = true;
+        for n in CLIENTS {
             let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
             let mut tasks = Vec::new();
-            for _ in 0..n {
+            for &prompt in &PROMPTS[..n] {
                 let client = Client::new(&bus).await?;
-                tasks.push(tokio::spawn(one(client, barrier.clone())));
+                tasks.push(tokio::spawn(one(client, prompt, barrier.clone())));
             }
             let mut samples = Vec::new();
             for t in tasks {
                 samples.push(t.await??);
             }
-            let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
-            let mut rate: Vec<f64> = samples.iter().map(|s| s.decode_tok_s).collect();
-            let max_ttft = ttft.iter().copied().fold(0.0, f64::max);
-            let med_ttft = median(&mut ttft);
-            let med_rate = median(&mut rate);
-            // Aggregate: every token of every client ÷ wall time from the first Generate call to
-            // the last token.
+            let identical = samples.iter().zip(&alone).all(|(s, a)| &s.ids == a);
+            let ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
             let first = samples.iter().map(|s| s.started).min();
             let last = samples.iter().map(|s| s.last).max();
-            let total: usize = samples.iter().map(|s| s.tokens).sum();
+            let total: usize = samples.iter().map(|s| s.ids.len()).sum();
             let wall = match (first, last) {
                 (Some(f), Some(l)) => l.duration_since(f).as_secs_f64(),
                 _ => 0.0,
             };
             let aggregate = if wall > 0.0 { total as f64 / wall } else { 0.0 };
+            let (p50, p95, max) = (
+                quantile(&ttft, 0.5),
+                quantile(&ttft, 0.95),
+                quantile(&ttft, 1.0),
+            );
             println!(
-                "{n:>3} | {med_ttft:>16.1} | {max_ttft:>13.1} | {med_rate:>20.1} | {aggregate:>15.1}"
+                "{n:>3} | {p50:>14.1} | {p95:>14.1} | {max:>14.1} | {aggregate:>15.1} | {:>9}",
+                if identical { "yes" } else { "NO" }
             );
             rows.push(serde_json::json!({
                 "clients": n,
                 "ttft_ms": ttft,
-                "median_ttft_ms": med_ttft,
-                "max_ttft_ms": max_ttft,
-                "client_decode_tok_s": rate,
-                "median_client_decode_tok_s": med_rate,
+                "ttft_p50_ms": p50,
+                "ttft_p95_ms": p95,
+                "ttft_max_ms": max,
                 "aggregate_tok_s": aggregate,
                 "tokens": total,
+                "identical_to_alone": identical,
             }));
+            all_identical &= identical;
         }
         if let Some(path) = out_path {
             let json = serde_json::json!({
-                "prompt": STORY_PROMPT,
+                "prompts": PROMPTS,
                 "max_tokens": TOKENS,
+                "budget": config.budget,
                 "cores": cores,
                 "rows": rows,
             });
             std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
             println!("wrote {path}");
+        }
+        if !all_identical {
+            anyhow::bail!("a client's tokens differ from its prompt generated alone");
         }
         Ok(())
     })
