@@ -223,11 +223,11 @@ struct Scheduler {
     sessions: BTreeMap<SessionId, EngineSession>,
 }
 
-/// A session whose decode pass is due, borrowed apart for [`Scheduler::decode`].
 /// What sessions must share to run in one decode pass: the same loaded model (by address) and the
 /// same CPU precision.
 type BatchKey = (usize, Precision);
 
+/// A session whose decode pass is due, borrowed apart for [`Scheduler::decode`].
 struct Due<'a> {
     id: SessionId,
     model: &'a LoadedModel,
