@@ -10,10 +10,17 @@
 //! (none at open). [`Session::bytes`] reports what it holds, from the allocations themselves;
 //! [`Session::kv_growth_bytes`] and [`Session::grow_kv`] let a scheduler reserve a block before
 //! it is allocated; a forward pass grows by itself when nobody did.
+//!
+//! Sessions of one model whose prompts start with the same tokens can share the KV blocks of
+//! that prefix ([`Session::share_prefix`], [`Session::adopt_prefix`]): the blocks are paid once,
+//! by the holder of the [`KvPrefix`](crate::kv::KvPrefix), and a session copies a shared block
+//! before writing into it (counted by [`Session::kv_growth_bytes`], made by
+//! [`Session::grow_kv`]). The accounting rule is stated at the top of `kv/cache.rs`.
 
 mod pass;
 mod planned;
 mod scratch;
+mod share;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -91,11 +98,11 @@ pub struct Session {
 }
 
 /// KV bytes of a session of `max_context` tokens once its cache is fully grown, in the default
-/// [`KvType`]: an upper bound of what its KV blocks can reach. What a session holds now is
-/// [`Session::bytes`]; what it allocates at open, [`session_open_bytes`].
+/// [`KvType`]: an upper bound of what its KV blocks can reach ([`KvCache::full_bytes`]). What a
+/// session holds now is [`Session::bytes`]; what it allocates at open, [`session_open_bytes`].
 pub fn kv_cache_bytes(w: &Weights, max_context: usize) -> usize {
-    let per_token = KvType::default().bytes_per_token(w.config.n_layers, w.config.kv_dim());
-    max_context * per_token as usize
+    let c = &w.config;
+    KvCache::full_bytes(KvType::default(), c.n_layers, c.kv_dim(), max_context) as usize
 }
 
 /// Tasks the neuron-major down projection is split into (one partial sum each): one per compute
@@ -151,27 +158,37 @@ impl Session {
         self.kv.kv_type()
     }
 
-    /// Every heap byte the session holds now: its scratch and its KV blocks (from the
-    /// allocations' capacities). The shared model is not counted.
+    /// Every heap byte the session pays for now: its scratch and the KV blocks it holds alone
+    /// (from the allocations' capacities). The shared model is not counted, nor are KV blocks
+    /// shared through a [`KvPrefix`](crate::kv::KvPrefix): its holder pays for them
+    /// ([`KvCache::bytes`]).
     pub fn bytes(&self) -> u64 {
         self.s.bytes() + self.kv.bytes()
     }
 
     /// Bytes that must be allocated so that `tokens` more tokens fit after
-    /// [`Session::position`]: whole KV blocks, 0 if they already fit. Tokens beyond
-    /// `max_context` are not counted (the caller checks the limit).
+    /// [`Session::position`]: whole KV blocks, and a copy of each shared block (see
+    /// [`Session::adopt_prefix`]) those tokens would be written into; 0 if they already fit in
+    /// blocks the session holds alone. Tokens beyond `max_context` are not counted (the caller
+    /// checks the limit).
     pub fn kv_growth_bytes(&self, tokens: usize) -> u64 {
-        self.kv.growth_bytes(self.pos.saturating_add(tokens))
+        self.kv.growth_bytes(self.next_writes(tokens))
     }
 
-    /// Allocates what [`Session::kv_growth_bytes`]`(tokens)` counts. Errors, allocating
+    /// Allocates what [`Session::kv_growth_bytes`]`(tokens)` counts: the blocks, and the copies
+    /// of shared ones, so that running `tokens` more allocates nothing. Errors, allocating
     /// nothing, if `tokens` more do not fit in `max_context`; or if the allocator refuses a block.
     pub fn grow_kv(&mut self, tokens: usize) -> Result<()> {
-        self.kv.grow(self.pos.saturating_add(tokens))
+        self.kv.make_writable(self.next_writes(tokens))
     }
 
-    /// Forgets the conversation and frees every KV block ([`Session::bytes`] drops back to
-    /// [`session_open_bytes`]).
+    /// The positions the next `tokens` tokens are written at.
+    fn next_writes(&self, tokens: usize) -> std::ops::Range<usize> {
+        self.pos..self.pos.saturating_add(tokens)
+    }
+
+    /// Forgets the conversation and frees every KV block it holds alone, letting go of shared
+    /// ones ([`Session::bytes`] drops back to [`session_open_bytes`]).
     pub fn release_kv(&mut self) {
         self.kv.release();
         self.pos = 0;
@@ -193,7 +210,8 @@ impl Session {
     }
 
     /// Forgets the conversation. The KV blocks are kept for the next one (its first tokens need
-    /// no allocation); [`Session::release_kv`] frees them.
+    /// no allocation, unless a block is still shared: the first write copies it);
+    /// [`Session::release_kv`] frees them.
     pub fn reset(&mut self) {
         self.pos = 0;
     }

@@ -195,7 +195,7 @@ impl Floor {
             tokenizer: model.tokenizer.heap_bytes(),
             tables: w.bytes().heap,
             session: crate::forward::session_open_bytes(model, context, kv)
-                + kv.bytes_per_token(c.n_layers, c.kv_dim()) * context as u64,
+                + crate::kv::KvCache::full_bytes(kv, c.n_layers, c.kv_dim(), context),
             ring: 0,
         }
     }

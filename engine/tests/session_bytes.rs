@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session, session_open_bytes};
-use leanstream_engine::kv::{KV_BLOCK_TOKENS, KvType};
+use leanstream_engine::kv::{KV_BLOCK_TOKENS, KvCache, KvType};
 use leanstream_engine::model::gguf::writer::TinyLlama;
 use leanstream_engine::quant::DType;
 
@@ -128,12 +128,11 @@ fn growing_and_releasing_the_kv_cache_moves_exactly_the_bytes_reported() {
         grown.expect("grow");
         assert_eq!(live, want as i64, "{kv}: allocated by grow_kv");
         assert_eq!(s.bytes() - open, want, "{kv}: bytes() after grow_kv");
-        let per_token = want / (2 * KV_BLOCK_TOKENS) as u64;
-        assert_eq!(
-            per_token,
-            kv.bytes_per_token(c.n_layers, c.kv_dim()),
-            "{kv}"
-        );
+        // A block is its storage and the `Arc` that lets sessions share it.
+        let block = KvCache::full_bytes(kv, c.n_layers, c.kv_dim(), KV_BLOCK_TOKENS);
+        let storage = KV_BLOCK_TOKENS as u64 * kv.bytes_per_token(c.n_layers, c.kv_dim());
+        assert!((storage..storage + 256).contains(&block), "{kv}: {block}");
+        assert_eq!(want, 2 * block, "{kv}: two whole blocks");
         assert_eq!(s.kv_growth_bytes(2 * KV_BLOCK_TOKENS), 0);
 
         // A forward pass inside the grown blocks allocates nothing that stays (but the pool's).
@@ -144,7 +143,7 @@ fn growing_and_releasing_the_kv_cache_moves_exactly_the_bytes_reported() {
         );
         // One past them grows by exactly one block, by itself.
         let next = s.kv_growth_bytes(1);
-        assert_eq!(next, KV_BLOCK_TOKENS as u64 * per_token);
+        assert_eq!(next, block);
         let (_, live) = measure(|| s.forward(2).map(|_| ()));
         let extra = live - next as i64;
         assert!(
@@ -172,7 +171,52 @@ fn growth_beyond_max_context_is_refused_and_allocates_nothing() {
     assert_eq!(live, 0);
     // The last block holds only the 36 tokens up to max_context.
     let c = s.model().weights.config.clone();
+    let full = KvCache::full_bytes(KvType::F16, c.n_layers, c.kv_dim(), 100);
     let per_token = KvType::F16.bytes_per_token(c.n_layers, c.kv_dim());
-    assert_eq!(s.kv_growth_bytes(100), 100 * per_token);
-    assert_eq!(s.kv_growth_bytes(1000), 100 * per_token);
+    assert!((100 * per_token..100 * per_token + 512).contains(&full));
+    assert_eq!(s.kv_growth_bytes(100), full);
+    assert_eq!(s.kv_growth_bytes(1000), full);
+}
+
+/// Sharing a prefix allocates only the prefix's list of blocks and adopting it nothing; the
+/// holders' bytes then add up to what was allocated; the first write into a shared block
+/// allocates exactly the copy `kv_growth_bytes` counts, made by `grow_kv`, not by the pass.
+#[test]
+fn sharing_a_prefix_allocates_what_its_holders_report_and_a_write_copies_what_is_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tiny_model(dir.path());
+    for kv in KvType::ALL {
+        let open = || Session::new(Arc::clone(&model), 256, Precision::Exact, kv).expect("session");
+        let (mut source, mut adopter) = (open(), open());
+        let open_bytes = adopter.bytes();
+        let (grown, blocks) = measure(|| source.grow_kv(100));
+        grown.expect("grow");
+        source.forward_batch(&[3; 100]).expect("forward");
+
+        let (prefix, list) = measure(|| source.share_prefix(70).expect("share"));
+        let ((), adopted) = measure(|| adopter.adopt_prefix(&prefix).expect("adopt"));
+        assert_eq!(adopted, 0, "{kv}: adopting allocates nothing");
+        assert_eq!(
+            source.bytes(),
+            open_bytes,
+            "{kv}: the blocks are the prefix's"
+        );
+        assert_eq!(
+            source.bytes() + adopter.bytes() + prefix.bytes(),
+            2 * open_bytes + (blocks + list) as u64,
+            "{kv}: every allocated byte counted once"
+        );
+
+        let want = adopter.kv_growth_bytes(1);
+        assert!(want > 0, "{kv}: position 70 is in a shared block");
+        let (grown, live) = measure(|| adopter.grow_kv(1));
+        grown.expect("grow");
+        assert_eq!(live, want as i64, "{kv}: the copy of block 1");
+        assert_eq!(adopter.bytes(), open_bytes + want, "{kv}");
+        let (_, live) = measure(|| adopter.forward(5).map(|_| ()));
+        assert!(
+            (0..POOL_SLACK).contains(&live),
+            "{kv}: a copy in the pass: {live}"
+        );
+    }
 }

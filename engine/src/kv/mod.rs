@@ -3,19 +3,26 @@
 //!
 //! - [`KvType`]: the element type, chosen per session;
 //! - [`KvCache`]: the blocks, their bytes, growth, writes and the per-layer [`KvSpan`]s the CPU
-//!   attention kernel ([`crate::backend::cpu::attend_spans`]) reads in place.
+//!   attention kernel ([`crate::backend::cpu::attend_spans`]) reads in place;
+//! - [`KvPrefix`]: a cache's first positions frozen, so that caches of conversations starting
+//!   with the same tokens share those blocks (copy-on-write) instead of computing them again.
 //!
 //! A session's `max_context` is a limit, not a reservation: the cache holds whole blocks up to
-//! the positions written, and only the last block may be partly empty.
+//! the positions written, and only the last block may be partly empty. A block shared through a
+//! [`KvPrefix`] is paid once, by the prefix's holder (the rule is stated in `cache.rs`'s module
+//! documentation and on [`KvCache::bytes`]).
 //!
 //! [`KvSpan`]: crate::backend::cpu::KvSpan
 
+mod block;
 mod cache;
+mod prefix;
 
 use std::fmt;
 use std::str::FromStr;
 
 pub use cache::KvCache;
+pub use prefix::KvPrefix;
 
 use crate::quant::{DType, QK};
 use crate::{Error, Result};
