@@ -110,6 +110,66 @@ pub struct GenerateParams {
     /// A JSON Schema, a Lark grammar or a regex the whole output must match: generation is
     /// constrained token by token, so the text parses (and validates) when it ends at `eos`.
     pub grammar: String,
+    /// The request's class: `""` (the default, `interactive`) or a [`Priority`] name.
+    pub priority: String,
+    /// Milliseconds from the call by which the first token should be out; 0 = none. A deadline
+    /// is a goal that orders the work, not a limit: a miss is reported in the `done` event.
+    pub first_token_deadline_ms: u32,
+    /// Milliseconds from the call by which the generation should be over; 0 = none.
+    pub deadline_ms: u32,
+}
+
+/// How urgent a generation is. The scheduler serves higher classes first and pre-empts lower
+/// ones between tokens; within a class, sessions take turns (and an earlier deadline goes
+/// first). Who may ask for [`Priority::Realtime`] is the daemon's policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    /// Background work (summaries, logs): runs when nothing more urgent is waiting.
+    Background,
+    /// The default: a user or an app waiting for the answer.
+    #[default]
+    Interactive,
+    /// Control loops with a deadline (a planner's next action): served before everything else.
+    Realtime,
+}
+
+impl Priority {
+    /// Every class, most urgent first.
+    pub const ALL: [Priority; 3] = [
+        Priority::Realtime,
+        Priority::Interactive,
+        Priority::Background,
+    ];
+
+    /// The wire name: `realtime`, `interactive` or `background`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Priority::Realtime => "realtime",
+            Priority::Interactive => "interactive",
+            Priority::Background => "background",
+        }
+    }
+
+    /// The class a [`GenerateParams::priority`] names (`""` is the default); the error names
+    /// the accepted values.
+    pub fn parse(name: &str) -> Result<Priority, String> {
+        match name {
+            "" => Ok(Priority::default()),
+            _ => Priority::ALL
+                .into_iter()
+                .find(|p| p.name() == name)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = Priority::ALL.iter().map(|p| p.name()).collect();
+                    format!("priority {name:?} is not one of {}", names.join(", "))
+                }),
+        }
+    }
+}
+
+impl std::fmt::Display for Priority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// The values of [`GenerateParams::grammar_kind`] that constrain a generation: a JSON Schema
@@ -128,6 +188,9 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             grammar_kind: String::new(),
             grammar: String::new(),
+            priority: String::new(),
+            first_token_deadline_ms: 0,
+            deadline_ms: 0,
         }
     }
 }
@@ -283,6 +346,17 @@ pub struct StreamStats {
     /// the weights advancing several conversations); 0 when it ran alone.
     #[serde(default)]
     pub shared_decode_passes: usize,
+    /// Prompt tokens whose keys and values were already in memory (the session's previous turn,
+    /// or a prompt prefix shared with another session on the model) and were not computed.
+    #[serde(default)]
+    pub cached_prompt_tokens: usize,
+    /// The request's class.
+    #[serde(default)]
+    pub priority: String,
+    /// The deadlines the request set and missed (`first_token`, `end`); empty when none was
+    /// set or all were met.
+    #[serde(default)]
+    pub missed_deadlines: Vec<String>,
 }
 
 /// One line of the token stream.

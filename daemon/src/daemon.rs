@@ -16,8 +16,8 @@ use tokio::sync::{mpsc, oneshot};
 use zbus::fdo::{RequestNameFlags, RequestNameReply};
 
 use crate::config::Params;
-use crate::engine::Engine;
 use crate::memory;
+use crate::scheduler::Scheduler;
 use crate::service::Manager;
 use crate::state::{Budget, Request, State};
 
@@ -99,7 +99,7 @@ pub async fn run(
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
     let (departures_tx, departures_rx) = mpsc::unbounded_channel();
-    let engine = Engine::start(events_tx, Box::new(Budget(tx.clone())))
+    let engine = Scheduler::start(events_tx, Box::new(Budget(tx.clone())))
         .context("starting the engine thread")?;
     let manager = Manager {
         tx: tx.clone(),

@@ -3,7 +3,7 @@
 //! Layout: [`config`] (raw config → validated params), [`access`] (who sees what in `Memory()`), [`models`] (names resolve only inside the
 //! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the
 //! state owner needs from it), [`loader`] (a model in the configured mode, with its sparse
-//! pipeline and neuron cache), [`engine`] (the scheduler thread that runs generations), [`state`] (the one task owning the state), [`service`]
+//! pipeline and neuron cache), [`scheduler`] (the thread that decides who runs next and runs the generations), [`state`] (the one task owning the state), [`service`]
 //! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown). Freed memory is
 //! handed back through [`leanstream_engine::alloc`].
 
@@ -11,12 +11,12 @@ mod access;
 mod arbiter;
 mod config;
 mod daemon;
-mod engine;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod loader;
 mod memory;
 mod models;
+mod scheduler;
 mod service;
 mod state;
 #[cfg(test)]

@@ -3,9 +3,10 @@
 //! header (set by the bus, so it cannot be forged).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use leanstream::contract::{
-    ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, SessionStats,
+    ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, Priority, SessionStats,
 };
 use leanstream_engine::chat::ChatMessage;
 use tokio::sync::mpsc;
@@ -15,9 +16,9 @@ use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::access;
 use crate::config::{KeepAlive, Params};
-use crate::engine::{GenSpec, Input};
 use crate::memory::SessionId;
 use crate::models::{self, ModelFile};
+use crate::scheduler::{GenSpec, Input};
 use crate::state::{Request, ask};
 
 /// Most stop strings per request, and the longest one in bytes.
@@ -27,6 +28,8 @@ const MAX_STOP_BYTES: usize = 256;
 const MAX_TURNS: usize = 1024;
 /// The longest JSON Schema, grammar or regex a request may carry (it is compiled per request).
 const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
+/// Longest deadline a request may set: a day.
+const MAX_DEADLINE_MS: u32 = 24 * 3600 * 1000;
 
 /// The caller's unique name.
 fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
@@ -82,11 +85,22 @@ pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, L
             p.grammar.len()
         ));
     }
+    let priority = Priority::parse(&p.priority).map_err(LeanStreamError::InvalidArgument)?;
+    let deadline = |ms: u32, name: &str| match ms {
+        0 => Ok(None),
+        ms if ms <= MAX_DEADLINE_MS => Ok(Some(Duration::from_millis(ms.into()))),
+        ms => Err(LeanStreamError::InvalidArgument(format!(
+            "{name} {ms} ms is over the limit of {MAX_DEADLINE_MS} ms"
+        ))),
+    };
     Ok(GenSpec {
         max_tokens,
         sampler,
         stop: p.stop.clone(),
         grammar: grammar.map(|(kind, text)| (kind, text.to_string())),
+        priority,
+        first_token_within: deadline(p.first_token_deadline_ms, "first_token_deadline_ms")?,
+        within: deadline(p.deadline_ms, "deadline_ms")?,
     })
 }
 
@@ -250,11 +264,20 @@ impl SessionObject {
     async fn start(
         &self,
         header: &Header<'_>,
+        conn: &zbus::Connection,
         input: Input,
         params: &GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
         let client = caller(header)?;
         let spec = validate_params(params, &self.params)?;
+        // The realtime class can starve everyone else: only privileged callers may ask for it.
+        if spec.priority == Priority::Realtime
+            && !access::sees_everything(conn, &client, self.params.admin_group.as_deref()).await
+        {
+            return Err(LeanStreamError::AccessDenied(
+                "the realtime priority is for root, the daemon's user and the admin group".into(),
+            ));
+        }
         let id = self.id;
         ask(&self.tx, |reply| Request::Generate {
             id,
@@ -273,11 +296,12 @@ impl SessionObject {
     async fn generate(
         &self,
         #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
         prompt: &str,
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
         check_prompt(prompt.len(), &self.params)?;
-        self.start(&header, Input::Text(prompt.to_string()), &params)
+        self.start(&header, conn, Input::Text(prompt.to_string()), &params)
             .await
     }
 
@@ -285,6 +309,7 @@ impl SessionObject {
     async fn generate_chat(
         &self,
         #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] conn: &zbus::Connection,
         messages: Vec<ChatTurn>,
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
@@ -310,7 +335,8 @@ impl SessionObject {
             .into_iter()
             .map(|m| ChatMessage::new(m.role, m.content))
             .collect();
-        self.start(&header, Input::Chat(messages), &params).await
+        self.start(&header, conn, Input::Chat(messages), &params)
+            .await
     }
 
     async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
@@ -354,7 +380,9 @@ mod tests {
         let p = params();
         let ok = GenerateParams::default();
         assert_eq!(validate_params(&ok, &p).unwrap().max_tokens, p.max_tokens);
-        let cases: [fn(&mut GenerateParams); 10] = [
+        let cases: [fn(&mut GenerateParams); 12] = [
+            |g| g.priority = "urgent".into(),
+            |g| g.deadline_ms = u32::MAX,
             |g| g.temperature = f64::NAN,
             |g| g.temperature = -1.0,
             |g| g.temperature = 1e9,

@@ -21,10 +21,10 @@ use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::config::{KeepAlive, Params};
-use crate::engine::{EngineCmd, EngineEvent, GenSpec, Input, LoadedModel};
 use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
+use crate::scheduler::{Command, GenSpec, Input, LoadedModel, Report};
 
 type Reply<T> = oneshot::Sender<Result<T, LeanStreamError>>;
 
@@ -135,7 +135,7 @@ pub async fn ask<T>(
 #[derive(Debug)]
 pub struct Budget(pub mpsc::Sender<Request>);
 
-impl crate::engine::SessionBudget for Budget {
+impl crate::scheduler::SessionBudget for Budget {
     fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
         let (reply, rx) = oneshot::channel();
         let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
@@ -216,7 +216,7 @@ pub struct State<M> {
     memory: M,
     conn: zbus::Connection,
     requests: mpsc::Sender<Request>,
-    engine: std::sync::mpsc::Sender<EngineCmd>,
+    engine: std::sync::mpsc::Sender<Command>,
     models: BTreeMap<String, ModelEntry>,
     sessions: BTreeMap<SessionId, SessionEntry>,
     /// Clients known to be on the bus (see [`State::admit_client`]).
@@ -250,7 +250,7 @@ impl<M: Memory> State<M> {
         memory: M,
         conn: zbus::Connection,
         requests: mpsc::Sender<Request>,
-        engine: std::sync::mpsc::Sender<EngineCmd>,
+        engine: std::sync::mpsc::Sender<Command>,
     ) -> State<M> {
         State {
             params,
@@ -272,7 +272,7 @@ impl<M: Memory> State<M> {
     pub async fn run(
         mut self,
         mut rx: mpsc::Receiver<Request>,
-        mut events: mpsc::UnboundedReceiver<EngineEvent>,
+        mut events: mpsc::UnboundedReceiver<Report>,
         mut departures: mpsc::UnboundedReceiver<String>,
     ) {
         match zbus::fdo::DBusProxy::new(&self.conn).await {
@@ -341,7 +341,7 @@ impl<M: Memory> State<M> {
     }
 
     async fn shutdown(&mut self) {
-        let _ = self.engine.send(EngineCmd::Shutdown);
+        let _ = self.engine.send(Command::Shutdown);
         for id in std::mem::take(&mut self.sessions).into_keys() {
             self.memory.close_session(id);
             let _ = self
@@ -352,16 +352,16 @@ impl<M: Memory> State<M> {
         }
     }
 
-    fn engine_event(&mut self, ev: EngineEvent) {
+    fn engine_event(&mut self, ev: Report) {
         let (id, accepted, generated, position) = match ev {
-            EngineEvent::Finished {
+            Report::Finished {
                 id,
                 accepted,
                 generated,
                 position,
             } => (id, accepted, generated, position),
             // A closed session's memory is free now: caches may grow into it.
-            EngineEvent::Dropped { id } => {
+            Report::Dropped { id } => {
                 tracing::debug!("session {id} dropped by the scheduler");
                 return self.apply_cache_grants();
             }
@@ -447,7 +447,7 @@ impl<M: Memory> State<M> {
             } => self.generate(id, &client, input, spec, reply),
             Request::Cancel { id, client, reply } => {
                 let r = self.owned(id, &client).map(|_| {
-                    let _ = self.engine.send(EngineCmd::Cancel { id });
+                    let _ = self.engine.send(Command::Cancel { id });
                 });
                 let _ = reply.send(r);
             }
@@ -870,7 +870,7 @@ impl<M: Memory> State<M> {
             return Err(LeanStreamError::OverBudget(e.to_string()));
         }
         self.next_id += 1;
-        let _ = self.engine.send(EngineCmd::Open {
+        let _ = self.engine.send(Command::Open {
             id,
             model: Arc::clone(model),
             session,
@@ -1059,7 +1059,7 @@ impl<M: Memory> State<M> {
             }
         };
         let (engine_reply, engine_rx) = oneshot::channel();
-        let sent = self.engine.send(EngineCmd::Generate {
+        let sent = self.engine.send(Command::Generate {
             id,
             input,
             spec,
@@ -1089,7 +1089,7 @@ impl<M: Memory> State<M> {
         let Some(s) = self.sessions.remove(&id) else {
             return;
         };
-        let _ = self.engine.send(EngineCmd::Close { id });
+        let _ = self.engine.send(Command::Close { id });
         self.memory.close_session(id);
         if let Err(e) = self
             .conn

@@ -1,4 +1,10 @@
 //! The generation loop: prefill the prompt, then sample token by token until a stop condition.
+//! [`Stepper`] is the loop's state between forward passes, resumable; [`generate`] drives one
+//! on a single session, the daemon's scheduler drives many.
+
+mod stepper;
+
+pub use stepper::{Emitted, Next, Stepper, StopRules};
 
 use std::time::{Duration, Instant};
 
@@ -83,9 +89,9 @@ impl Decode for Session {
     }
 }
 
+use crate::Result;
 use crate::constrain::Constraint;
 use crate::sample::{Sampler, SamplerConfig};
-use crate::{Error, Result};
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,10 +100,26 @@ pub enum StopReason {
     Eos,
     /// `max_tokens` were generated.
     MaxTokens,
+    /// The output contains one of the stop strings.
+    StopString,
     /// The session's context filled up.
     ContextFull,
-    /// The caller's callback asked to stop.
+    /// The caller asked to stop.
     Cancelled,
+}
+
+impl StopReason {
+    /// Lower-case name, as the CLI's JSON and the daemon's stream spell it: `eos`,
+    /// `max_tokens`, `stop_string`, `context_full` or `cancelled`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::StopString => "stop_string",
+            StopReason::ContextFull => "context_full",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// Timings and counts of one generation.
@@ -164,6 +186,9 @@ pub fn generate(
 /// Once the grammar is complete only its end-of-sequence ids are allowed, so `stop_ids` should
 /// hold them (the tokenizer's eos list). A constraint error (the parser hit a limit) ends the
 /// generation with that error.
+///
+/// This drives a [`Stepper`] on one session: the whole prompt in one batched pass, then one
+/// forward pass per token.
 pub fn generate_constrained(
     session: &mut dyn Decode,
     prompt: &[u32],
@@ -173,76 +198,39 @@ pub fn generate_constrained(
     mut constraint: Option<&mut Constraint>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
-    if prompt.is_empty() {
-        return Err(Error::InvalidArgument {
-            arg: "prompt",
-            reason: "is empty".into(),
-        });
-    }
+    let rules = StopRules {
+        max_tokens,
+        eos: stop_ids.to_vec(),
+        strings: Vec::new(),
+    };
     let room = session.max_context() - session.position();
-    if prompt.len() > room {
-        return Err(Error::InvalidArgument {
-            arg: "prompt",
-            reason: format!(
-                "{} tokens do not fit in the context ({} of {} tokens free)",
-                prompt.len(),
-                room,
-                session.max_context()
-            ),
-        });
-    }
     let vocab = session.vocab_size();
-    let mut sampler = Sampler::new(sampler.clone(), vocab)?;
-    let mut stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        ..Default::default()
-    };
-    let mut history: Vec<u32> = Vec::with_capacity(prompt.len() + max_tokens);
-    history.extend_from_slice(prompt);
-    let mut ids = Vec::with_capacity(max_tokens);
-
-    let start = Instant::now();
-    let logits = session.forward_batch(prompt)?;
-    let mut next = sample_next(
-        &mut sampler,
-        constraint.as_deref_mut(),
-        logits,
-        &history,
-        Some(&mut stats.constraint),
-    )?;
-    stats.prefill = start.elapsed();
-
-    let decode_start = Instant::now();
+    let mut stepper = Stepper::new(prompt, &[], room, sampler.clone(), vocab, rules)?;
     let stop = loop {
-        if ids.len() == max_tokens {
-            break StopReason::MaxTokens;
+        match stepper.next() {
+            Next::Prefill(rest) => {
+                let n = rest.len();
+                let logits = session.forward_batch(rest)?;
+                stepper.prefilled(n, logits, constraint.as_deref_mut())?;
+            }
+            Next::Emit(_) => {
+                let token = stepper.emit(None)?;
+                if !on_token(token.id) {
+                    stepper.end(StopReason::Cancelled);
+                }
+            }
+            Next::Forward(id) => {
+                let logits = session.forward(id)?;
+                stepper.forwarded(logits, constraint.as_deref_mut())?;
+            }
+            Next::Done(reason) => break reason,
         }
-        ids.push(next);
-        history.push(next);
-        if !on_token(next) {
-            break StopReason::Cancelled;
-        }
-        if stop_ids.contains(&next) {
-            break StopReason::Eos;
-        }
-        if ids.len() == max_tokens {
-            break StopReason::MaxTokens;
-        }
-        if session.position() >= session.max_context() {
-            break StopReason::ContextFull;
-        }
-        let logits = session.forward(next)?;
-        next = sample_next(
-            &mut sampler,
-            constraint.as_deref_mut(),
-            logits,
-            &history,
-            Some(&mut stats.constraint),
-        )?;
     };
-    stats.decode = decode_start.elapsed();
-    stats.generated_tokens = ids.len();
-    Ok(Generation { ids, stop, stats })
+    Ok(Generation {
+        ids: stepper.ids().to_vec(),
+        stop,
+        stats: stepper.stats(),
+    })
 }
 
 /// Samples the next id from `logits`, masked by and then advancing `constraint` if any (the

@@ -9,7 +9,7 @@ Exit status: 0 success, 1 the daemon refused or the stream failed, 3 the daemon 
 
 The calls, with their D-Bus signatures (see docs/clients.md):
   Manager.OpenSession(s model, u context_tokens) -> o session
-  Session.Generate(s prompt, (ududdtasss) params) -> h fd
+  Session.Generate(s prompt, (ududdtassssuu) params) -> h fd
   Session.Close()
 Generate returns the read end of a pipe carrying one JSON object per line:
   {"token": {"id": 42, "text": "Hi"}} ... then {"done": {"reason": ..., "stats": {...}}}
@@ -56,9 +56,11 @@ def generate(conn, model, prompt, max_tokens=0, temperature=0.0, seed=0, context
     session = DBusAddress(session_path, bus_name=BUS_NAME, interface=SESSION)
     try:
         # GenerateParams: max_tokens u, temperature d, top_k u, top_p d, repetition_penalty d,
-        # seed t, stop as, grammar_kind s ("" or json_schema, lark, regex), grammar s.
-        params = (max_tokens, float(temperature), 0, 1.0, 1.0, seed, [], grammar_kind, grammar)
-        (fd,) = call(conn, session, "Generate", "s(ududdtasss)", (prompt, params))
+        # seed t, stop as, grammar_kind s ("" or json_schema, lark, regex), grammar s,
+        # priority s ("" = interactive), first-token and end deadlines in ms u u (0 = none).
+        params = (max_tokens, float(temperature), 0, 1.0, 1.0, seed, [], grammar_kind, grammar,
+                  "", 0, 0)
+        (fd,) = call(conn, session, "Generate", "s(ududdtassssuu)", (prompt, params))
         with fd.to_file("rb") as stream:
             for raw in stream:
                 if not raw.strip():

@@ -13,6 +13,7 @@ use leanstream_engine::forward::Model;
 use leanstream_engine::generate::generate_constrained;
 use leanstream_engine::kv::KvType;
 use leanstream_engine::sample::SamplerConfig;
+use leanstream_engine::tokenizer::TextStream;
 use serde_json::json;
 
 use super::PrecisionArg;
@@ -159,7 +160,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut constraint = grammar.as_ref().map(Grammar::start);
     let constraint_setup = setup.elapsed();
     let eos = model.tokenizer.specials().eos.clone();
-    let mut stream = model.tokenizer.stream();
+    let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
     let generation = generate_constrained(
@@ -175,7 +176,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 return true;
             }
             let piece = stream
-                .push(id)
+                .push(&model.tokenizer, id)
                 .map(|p| p.map(|s| stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush())));
             match piece {
                 Ok(Some(Err(e))) => failure = Some(anyhow::Error::from(e)),
@@ -204,7 +205,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             "prompt_ids": prompt_ids,
             "ids": generation.ids,
             "text": model.tokenizer.decode(text_ids(&generation.ids, &eos))?,
-            "stop_reason": format!("{:?}", generation.stop).to_lowercase(),
+            "stop_reason": generation.stop.name(),
             "constraint": grammar.as_ref().map(|g| json!({
                 "kind": g.kind().to_string(),
                 "complete": complete,
@@ -245,7 +246,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         });
         writeln!(stdout, "{out}")?;
     } else {
-        if let Some(rest) = stream.finish()? {
+        if let Some(rest) = stream.finish(&model.tokenizer)? {
             stdout.write_all(rest.as_bytes())?;
         }
         writeln!(stdout)?;

@@ -15,7 +15,7 @@ fn sig<T: Type>() -> String {
 fn wire_types_have_the_documented_signatures() {
     assert_eq!(sig::<ModelInfo>(), "(sssstb)");
     assert_eq!(sig::<Vec<ModelInfo>>(), "a(sssstb)");
-    assert_eq!(sig::<GenerateParams>(), "(ududdtasss)");
+    assert_eq!(sig::<GenerateParams>(), "(ududdtassssuu)");
     assert_eq!(sig::<ChatTurn>(), "(ss)");
     assert_eq!(sig::<Vec<ChatTurn>>(), "a(ss)");
     assert_eq!(sig::<ModelMemory>(), "(sttttsttx(tttt))");

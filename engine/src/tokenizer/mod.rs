@@ -12,7 +12,7 @@
 //! - [`Tokenizer::from_json`] loads a Hugging Face `tokenizer.json` (safetensors directories)
 //!   through the `tokenizers` crate (pure-Rust features only); [`Tokenizer::to_json`] writes
 //!   any tokenizer in that form.
-//! - [`Tokenizer::stream`] gives a [`TextStream`] for the generation loop: one id in, the newly
+//! - [`TextStream`] decodes for the generation loop: one id in, the newly
 //!   completed text out, with split multi-byte characters held back until they are whole.
 //! - [`Tokenizer::token_bytes`] gives the raw bytes each id stands for ([`TokenBytes`]), which
 //!   constrained decoding matches against a grammar.
@@ -418,12 +418,6 @@ impl Tokenizer {
                 .decode(ids, false)
                 .map_err(|e| Error::Tokenizer(e.to_string())),
         }
-    }
-
-    /// A streaming decoder for one generation: push ids as they are sampled, get text back as
-    /// soon as it is complete. See [`TextStream`].
-    pub fn stream(&self) -> TextStream<'_> {
-        TextStream::new(self)
     }
 }
 

@@ -144,15 +144,15 @@ mod tests {
         let ids = t
             .encode("hello hello é w")
             .unwrap_or_else(|e| panic!("{e}"));
-        let mut s = t.stream();
+        let mut s = crate::tokenizer::TextStream::default();
         let mut out = String::new();
         for &i in &ids[1..] {
-            if let Some(p) = s.push(i).unwrap_or_else(|e| panic!("{e}")) {
+            if let Some(p) = s.push(&t, i).unwrap_or_else(|e| panic!("{e}")) {
                 assert!(!p.contains('\u{FFFD}'), "{p:?}");
                 out.push_str(&p);
             }
         }
-        if let Some(p) = s.finish().unwrap_or_else(|e| panic!("{e}")) {
+        if let Some(p) = s.finish(&t).unwrap_or_else(|e| panic!("{e}")) {
             out.push_str(&p);
         }
         assert_eq!(out, "hello hello é w");

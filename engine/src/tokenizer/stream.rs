@@ -9,7 +9,8 @@ use crate::Result;
 /// window.
 const MAX_PENDING: usize = 8;
 
-/// Turns a stream of ids into text, one id at a time.
+/// Turns a stream of ids into text, one id at a time. It does not hold the tokenizer (each call
+/// takes it), so it can live in a scheduler's table next to the model it decodes for.
 ///
 /// It keeps a small window: the ids of the last emitted piece (their context, so that decoders
 /// that depend on neighbours — SentencePiece's leading space — give the same text as decoding
@@ -18,9 +19,8 @@ const MAX_PENDING: usize = 8;
 /// The concatenation of everything returned by [`TextStream::push`] and
 /// [`TextStream::finish`] equals [`Tokenizer::decode`] of all the ids (for valid UTF-8 output).
 /// Special tokens are included, as in [`Tokenizer::decode`].
-#[derive(Debug)]
-pub struct TextStream<'t> {
-    tok: &'t Tokenizer,
+#[derive(Debug, Default)]
+pub struct TextStream {
     /// Context ids (`..context`) then pending ids (`context..`); at most 2 × MAX_PENDING long.
     ids: Vec<u32>,
     /// Number of context ids at the start of `ids`.
@@ -29,25 +29,17 @@ pub struct TextStream<'t> {
     prefix: String,
 }
 
-impl<'t> TextStream<'t> {
-    pub(super) fn new(tok: &'t Tokenizer) -> TextStream<'t> {
-        TextStream {
-            tok,
-            ids: Vec::with_capacity(2 * MAX_PENDING),
-            context: 0,
-            prefix: String::new(),
-        }
-    }
-
+impl TextStream {
     /// Adds one id; returns the text it completes, if any. An id outside the vocabulary is an
-    /// error and leaves the stream as it was.
-    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
-        if id as usize >= self.tok.vocab_size() {
+    /// error and leaves the stream as it was. Every call of one stream must pass the same
+    /// tokenizer.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        if id as usize >= tok.vocab_size() {
             // Let `decode` produce the error message.
-            self.tok.decode(&[id])?;
+            tok.decode(&[id])?;
         }
         self.ids.push(id);
-        let text = match self.tok.decode(&self.ids) {
+        let text = match tok.decode(&self.ids) {
             Ok(t) => t,
             Err(e) => {
                 self.ids.pop();
@@ -57,7 +49,7 @@ impl<'t> TextStream<'t> {
         let pending = self.ids.len() - self.context;
         let complete = !text.ends_with('\u{FFFD}');
         if text.len() > self.prefix.len() && complete || pending >= MAX_PENDING {
-            let new = self.take_new(text)?;
+            let new = self.take_new(tok, text)?;
             Ok(if new.is_empty() { None } else { Some(new) })
         } else {
             Ok(None)
@@ -66,10 +58,10 @@ impl<'t> TextStream<'t> {
 
     /// Flushes whatever is pending (incomplete characters come out as U+FFFD) and resets the
     /// stream for reuse.
-    pub fn finish(&mut self) -> Result<Option<String>> {
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
         let new = if self.ids.len() > self.context {
-            let text = self.tok.decode(&self.ids)?;
-            self.take_new(text)?
+            let text = tok.decode(&self.ids)?;
+            self.take_new(tok, text)?
         } else {
             String::new()
         };
@@ -87,16 +79,16 @@ impl<'t> TextStream<'t> {
 
     /// Returns the part of `text` (the decoding of the whole window) after the context, and makes
     /// the pending ids the new context.
-    fn take_new(&mut self, text: String) -> Result<String> {
+    fn take_new(&mut self, tok: &Tokenizer, text: String) -> Result<String> {
         let new = match text.strip_prefix(self.prefix.as_str()) {
             Some(rest) => rest.to_string(),
             // A decoder whose output for a longer window does not extend the shorter one: fall
             // back to decoding the pending ids on their own.
-            None => self.tok.decode(&self.ids[self.context..])?,
+            None => tok.decode(&self.ids[self.context..])?,
         };
         self.ids.drain(..self.context);
         self.context = self.ids.len();
-        self.prefix = self.tok.decode(&self.ids)?;
+        self.prefix = tok.decode(&self.ids)?;
         Ok(new)
     }
 }

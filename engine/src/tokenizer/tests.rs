@@ -139,10 +139,10 @@ fn stream_holds_back_split_characters() {
     // "é" is C3 A9: two byte tokens, neither valid alone.
     let ids = enc(&t, "é");
     assert_eq!(ids.len(), 2);
-    let mut s = t.stream();
-    assert_eq!(s.push(ids[0]).ok(), Some(None));
-    assert_eq!(s.push(ids[1]).ok(), Some(Some("é".to_string())));
-    assert_eq!(s.finish().ok(), Some(None));
+    let mut s = TextStream::default();
+    assert_eq!(s.push(&t, ids[0]).ok(), Some(None));
+    assert_eq!(s.push(&t, ids[1]).ok(), Some(Some("é".to_string())));
+    assert_eq!(s.finish(&t).ok(), Some(None));
 }
 
 #[test]
@@ -150,17 +150,17 @@ fn stream_output_concatenates_to_decode() {
     let t = tok("smollm");
     let text = "<|im_start|>the 🦀 crab, the 世界<|im_end|>";
     let ids = enc(&t, text);
-    let mut s = t.stream();
+    let mut s = TextStream::default();
     let mut out = String::new();
     let mut pieces = 0;
     for &i in &ids {
-        if let Some(piece) = s.push(i).unwrap_or_else(|e| panic!("{e}")) {
+        if let Some(piece) = s.push(&t, i).unwrap_or_else(|e| panic!("{e}")) {
             assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} was cut");
             out.push_str(&piece);
             pieces += 1;
         }
     }
-    if let Some(rest) = s.finish().unwrap_or_else(|e| panic!("{e}")) {
+    if let Some(rest) = s.finish(&t).unwrap_or_else(|e| panic!("{e}")) {
         out.push_str(&rest);
     }
     assert_eq!(out, text);
@@ -177,15 +177,15 @@ fn stream_flushes_invalid_bytes_instead_of_growing() {
     let cont = t
         .token_to_id(&byte_char(0x80).to_string())
         .unwrap_or_else(|| panic!("byte token 0x80 missing"));
-    let mut s = t.stream();
+    let mut s = TextStream::default();
     let mut emitted = String::new();
     for _ in 0..100 {
-        if let Some(p) = s.push(cont).unwrap_or_else(|e| panic!("{e}")) {
+        if let Some(p) = s.push(&t, cont).unwrap_or_else(|e| panic!("{e}")) {
             emitted.push_str(&p);
         }
         assert!(s.window_len() <= 16, "window grew to {}", s.window_len());
     }
-    if let Some(p) = s.finish().unwrap_or_else(|e| panic!("{e}")) {
+    if let Some(p) = s.finish(&t).unwrap_or_else(|e| panic!("{e}")) {
         emitted.push_str(&p);
     }
     assert_eq!(emitted.chars().count(), 100);
@@ -195,9 +195,9 @@ fn stream_flushes_invalid_bytes_instead_of_growing() {
 #[test]
 fn stream_rejects_unknown_ids() {
     let t = tok("smollm");
-    let mut s = t.stream();
-    assert!(s.push(u32::MAX).is_err());
-    assert_eq!(s.push(id(&t, "he")).ok(), Some(Some("he".to_string())));
+    let mut s = TextStream::default();
+    assert!(s.push(&t, u32::MAX).is_err());
+    assert_eq!(s.push(&t, id(&t, "he")).ok(), Some(Some("he".to_string())));
 }
 
 #[test]

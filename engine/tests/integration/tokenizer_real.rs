@@ -55,15 +55,15 @@ fn check(t: &Tokenizer) {
 
     // Streaming gives the same text, and multi-byte characters come out whole.
     for text in [GREEDY_TEXT, "Ünïcödé 🦀 日本語 — “quotes”"] {
-        let mut stream = t.stream();
+        let mut stream = leanstream_engine::tokenizer::TextStream::default();
         let mut out = String::new();
         for &id in &enc(text) {
-            if let Some(piece) = stream.push(id).unwrap_or_else(|e| panic!("{e}")) {
+            if let Some(piece) = stream.push(t, id).unwrap_or_else(|e| panic!("{e}")) {
                 assert!(!piece.contains('\u{FFFD}'), "cut character in {piece:?}");
                 out.push_str(&piece);
             }
         }
-        if let Some(rest) = stream.finish().unwrap_or_else(|e| panic!("{e}")) {
+        if let Some(rest) = stream.finish(t).unwrap_or_else(|e| panic!("{e}")) {
             out.push_str(&rest);
         }
         assert_eq!(out, text);

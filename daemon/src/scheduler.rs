@@ -1,0 +1,656 @@
+//! The scheduler: one OS thread that owns every engine [`Session`], decides who runs next, runs
+//! the forward passes and writes each token to its pipe. Never on tokio workers. What a
+//! generation *is* (sampling, stop rules, detokenising, timings) is the engine's [`Stepper`];
+//! this module only drives steppers.
+//!
+//! Policy, one round at a time:
+//!
+//! 1. **Class first.** Only generations of the most urgent [`Priority`] with work to do take
+//!    steps; a lower class waits (pre-empted between tokens: commands are taken after every
+//!    pass, and a round ends early when a more urgent generation arrives).
+//! 2. **Within a class, turns.** Every generation of the class takes one step per round, the
+//!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
+//!    [`MAX_BATCH`] tokens through a dense model's batched pass, one token through a sparse
+//!    pipeline) or the forward pass of the token it emitted last. A long prompt therefore
+//!    cannot stall the others: it goes in pieces, interleaved with their decode steps.
+//! 3. **One pass for many.** The decode passes due in a round run together where they can: the
+//!    CPU sessions of one dense model share one pass over its weights ([`forward_each`]).
+//! 4. **Tokens out at once.** A sampled token is written to its pipe before any other forward
+//!    pass starts.
+//!
+//! Sessions on one model share its `Arc<Model>` (weights, tokenizer) and, in a sparse mode, its
+//! FFN pipeline with the neuron cache (see [`crate::loader`]); each owns its KV cache.
+//!
+//! Errors: a forward pass that fails (in a streaming mode: a chunk that could not be read after
+//! the I/O workers' retries) ends only the generation it was for, with an `Internal` error
+//! event; the pipeline drops the failed token and serves the next pass as usual.
+//!
+//! Token stream: each event is a [`StreamEvent`] JSON line on the generation's pipe. The write
+//! end is non-blocking: a reader that does not keep up only pauses its own generation (the
+//! scheduler skips it until the pipe drains), never the others. A write error (EPIPE: the reader
+//! closed its end) cancels that generation quietly.
+
+mod pipe;
+mod run;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::io::PipeWriter;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::time::{Duration, Instant};
+
+use leanstream::contract::{LeanStreamError, Priority};
+use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::chat::ChatMessage;
+use leanstream_engine::constrain::GrammarKind;
+use leanstream_engine::forward::{MAX_BATCH, Session, forward_each};
+use leanstream_engine::generate::{Decode, Next, Stepper, StopRules};
+use leanstream_engine::sample::SamplerConfig;
+
+pub use crate::loader::LoadedModel;
+use crate::memory::SessionId;
+use run::{Failure, Room, Run};
+
+/// What to generate from.
+#[derive(Debug)]
+pub enum Input {
+    Text(String),
+    /// The whole conversation so far; the KV cache is reused for the prefix it shares with what
+    /// the session has already seen.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A validated generation request.
+#[derive(Debug)]
+pub struct GenSpec {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// A grammar the output must match, compiled when the generation starts.
+    pub grammar: Option<(GrammarKind, String)>,
+    pub priority: Priority,
+    /// The first token should be out this long after the request.
+    pub first_token_within: Option<Duration>,
+    /// The generation should be over this long after the request.
+    pub within: Option<Duration>,
+}
+
+/// Commands to the scheduler thread.
+#[derive(Debug)]
+pub enum Command {
+    Open {
+        id: SessionId,
+        model: Arc<LoadedModel>,
+        session: Box<dyn Decode + Send>,
+    },
+    /// Drops the session (and cancels its generation without a final event: the stream just ends).
+    Close { id: SessionId },
+    Generate {
+        id: SessionId,
+        input: Input,
+        spec: GenSpec,
+        out: PipeWriter,
+        reply: tokio::sync::oneshot::Sender<Result<(), LeanStreamError>>,
+    },
+    /// Ends the running generation of `id` with a `Cancelled` event.
+    Cancel { id: SessionId },
+    /// Cancels everything (streams end with `Cancelled`), flushes for at most a second, exits.
+    Shutdown,
+}
+
+/// Reports from the scheduler thread to the state owner.
+#[derive(Debug)]
+pub enum Report {
+    /// A `Generate` command is over (`accepted` false: it was refused up front).
+    Finished {
+        id: SessionId,
+        accepted: bool,
+        generated: u64,
+        position: u32,
+    },
+    /// A closed session has been dropped: its memory is handed back.
+    Dropped { id: SessionId },
+}
+
+/// Where the scheduler reserves memory before a session's KV cache grows: the state owner, which
+/// asks the arbiter (shrinking neuron caches first when needed). Blocking: the scheduler waits
+/// for the answer before it allocates.
+pub trait SessionBudget: Send {
+    /// Sets session `id`'s reservation to `bytes`; `OverBudget` when that does not fit.
+    fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError>;
+    /// Adds `bytes` to model `name`'s reservation for the rest of its life; `OverBudget`
+    /// when that does not fit.
+    fn grow_model(&self, name: &str, bytes: u64) -> Result<(), LeanStreamError>;
+}
+
+/// Handle of the scheduler thread.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub tx: Sender<Command>,
+    pub thread: std::thread::JoinHandle<()>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread and waits until it is up (the ready handshake).
+    pub fn start(
+        reports: tokio::sync::mpsc::UnboundedSender<Report>,
+        budget: Box<dyn SessionBudget>,
+    ) -> std::io::Result<Scheduler> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let thread = std::thread::Builder::new()
+            .name("leanstream-sched".into())
+            .spawn(move || {
+                let _ = ready_tx.send(());
+                Worker {
+                    rx,
+                    reports,
+                    budget,
+                    sessions: BTreeMap::new(),
+                }
+                .run();
+            })?;
+        ready_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("the scheduler thread died while starting"))?;
+        Ok(Scheduler { tx, thread })
+    }
+}
+
+/// One open session: its model, its engine session and what its KV cache holds.
+#[derive(Debug)]
+struct Entry {
+    model: Arc<LoadedModel>,
+    session: Box<dyn Decode + Send>,
+    /// The tokens in the KV cache, in order.
+    seen: Vec<u32>,
+    /// The generation in flight, if any.
+    run: Option<Run>,
+}
+
+/// The scheduler thread's state.
+struct Worker {
+    rx: Receiver<Command>,
+    reports: tokio::sync::mpsc::UnboundedSender<Report>,
+    budget: Box<dyn SessionBudget>,
+    sessions: BTreeMap<SessionId, Entry>,
+}
+
+/// What sessions must share to run in one decode pass: the same loaded model (by address) and the
+/// same CPU precision.
+type BatchKey = (usize, Precision);
+
+/// A session whose decode pass is due, borrowed apart for [`Worker::decode`].
+struct Due<'a> {
+    id: SessionId,
+    model: &'a LoadedModel,
+    session: &'a mut Box<dyn Decode + Send>,
+    seen: &'a mut Vec<u32>,
+    run: &'a mut Run,
+    token: u32,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            // Take commands: wait for one if there is nothing to compute.
+            let first = if self.most_urgent().is_some() {
+                match self.rx.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return self.shutdown(),
+                }
+            } else if self.sessions.values().any(|s| s.run.is_some()) {
+                // Only full pipes are left: look again shortly.
+                match self.rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
+                }
+            } else {
+                match self.rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return self.shutdown(),
+                }
+            };
+            if let Some(cmd) = first
+                && self.handle(cmd)
+            {
+                return self.shutdown();
+            }
+            if self.round() {
+                return self.shutdown();
+            }
+        }
+    }
+
+    /// The most urgent class with a generation that can take a step now (not ending, pipe not
+    /// full).
+    fn most_urgent(&self) -> Option<Priority> {
+        self.sessions
+            .values()
+            .filter_map(|s| s.run.as_ref())
+            .filter(|r| r.can_step())
+            .map(|r| r.priority)
+            .max()
+    }
+
+    /// Takes every waiting command; true when one asks to shut down (or the daemon is gone).
+    fn take_commands(&mut self) -> bool {
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    if self.handle(cmd) {
+                        return true;
+                    }
+                }
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => return true,
+            }
+        }
+    }
+
+    /// One round of the most urgent class (see the module docs). True when a command asked to
+    /// shut down.
+    fn round(&mut self) -> bool {
+        // Pipes that drained since the last round: their pending bytes go out first.
+        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
+        for &id in &ids {
+            self.settle(id);
+        }
+        let Some(class) = self.most_urgent() else {
+            return false;
+        };
+        let mut turn: Vec<(Option<Instant>, SessionId)> = self
+            .sessions
+            .iter()
+            .filter_map(|(id, s)| s.run.as_ref().map(|r| (id, r)))
+            .filter(|(_, r)| r.priority == class && r.can_step())
+            .map(|(id, r)| (r.next_deadline(), *id))
+            .collect();
+        // Earliest deadline first; those without one after, in session order.
+        turn.sort_by_key(|&(deadline, id)| (deadline.is_none(), deadline, id));
+        let mut due = Vec::new();
+        for (_, id) in turn {
+            if self.step(id) {
+                due.push(id);
+            } else if self.take_commands() {
+                return true;
+            }
+            if self.most_urgent() > Some(class) {
+                return false; // pre-empted: the next round serves the newcomer
+            }
+        }
+        for batch in self.batches(due) {
+            self.decode(&batch);
+            if self.take_commands() {
+                return true;
+            }
+            if self.most_urgent() > Some(class) {
+                return false;
+            }
+        }
+        false
+    }
+
+    /// Handles a command; returns true on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Open { id, model, session } => {
+                let entry = Entry {
+                    model,
+                    session,
+                    seen: Vec::new(),
+                    run: None,
+                };
+                self.sessions.insert(id, entry);
+            }
+            Command::Close { id } => {
+                if let Some(mut s) = self.sessions.remove(&id) {
+                    if s.run.take().is_some() {
+                        self.finished(id, true, 0, 0);
+                    }
+                    drop(s);
+                    leanstream_engine::alloc::trim();
+                    let _ = self.reports.send(Report::Dropped { id });
+                }
+            }
+            Command::Cancel { id } => {
+                if let Some(r) = self.sessions.get_mut(&id).and_then(|s| s.run.as_mut()) {
+                    r.end_with_error("Cancelled", "the generation was cancelled");
+                }
+            }
+            Command::Generate {
+                id,
+                input,
+                spec,
+                out,
+                reply,
+            } => {
+                let result = self.start(id, input, spec, out);
+                // A refusal is reported to the state owner before the caller hears of it, so
+                // the session is no longer busy by the time the caller can try again.
+                if result.is_err() {
+                    let position = self.position(id);
+                    self.finished(id, false, 0, position);
+                }
+                let _ = reply.send(result);
+            }
+            Command::Shutdown => return true,
+        }
+        false
+    }
+
+    fn position(&self, id: SessionId) -> u32 {
+        self.sessions
+            .get(&id)
+            .map_or(0, |s| s.session.position() as u32)
+    }
+
+    fn finished(&self, id: SessionId, accepted: bool, generated: u64, position: u32) {
+        let _ = self.reports.send(Report::Finished {
+            id,
+            accepted,
+            generated,
+            position,
+        });
+    }
+
+    /// Tokenises the input and installs the generation; errors are for the caller.
+    fn start(
+        &mut self,
+        id: SessionId,
+        input: Input,
+        spec: GenSpec,
+        out: PipeWriter,
+    ) -> Result<(), LeanStreamError> {
+        let received = Instant::now();
+        let invalid = |e: leanstream_engine::Error| LeanStreamError::InvalidArgument(e.to_string());
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))?;
+        if s.run.is_some() {
+            return Err(LeanStreamError::Busy(
+                "a generation is already running on this session".into(),
+            ));
+        }
+        let text = match input {
+            Input::Text(t) => t,
+            Input::Chat(messages) => s.model.template.render(&messages, true).map_err(invalid)?,
+        };
+        let tok = &s.model.model.tokenizer;
+        let ids = tok.encode(&text).map_err(invalid)?;
+        if ids.is_empty() {
+            return Err(LeanStreamError::InvalidArgument(
+                "the prompt encodes to no tokens".into(),
+            ));
+        }
+        let max = s.session.max_context();
+        if ids.len() > max {
+            return Err(LeanStreamError::InvalidArgument(format!(
+                "the prompt is {} tokens; the session's context holds {max}",
+                ids.len()
+            )));
+        }
+        // Reuse the KV cache when the new prompt extends what the session has seen.
+        if !(s.seen.len() < ids.len() && ids.starts_with(&s.seen)) {
+            s.session.reset();
+            s.seen.clear();
+        }
+        let rules = StopRules {
+            max_tokens: spec.max_tokens,
+            eos: tok.specials().eos.clone(),
+            strings: spec.stop.clone(),
+        };
+        let (seen, prompt) = ids.split_at(s.seen.len());
+        let room = max - seen.len();
+        let vocab = s.model.model.weights.config.vocab_size;
+        let stepper = Stepper::new(prompt, seen, room, spec.sampler.clone(), vocab, rules)
+            .map_err(invalid)?;
+        let constraint = match &spec.grammar {
+            Some((kind, text)) => {
+                let budget = self.budget.as_ref();
+                let reserve = |bytes| budget.grow_model(&s.model.name, bytes);
+                Some(s.model.grammar(*kind, text, reserve)?.start())
+            }
+            None => None,
+        };
+        pipe::set_nonblocking(&out)?;
+        s.run = Some(Run::new(
+            stepper,
+            constraint,
+            out,
+            &spec,
+            received,
+            ids.len(),
+        ));
+        Ok(())
+    }
+
+    /// Takes generation `id`'s step if it is a piece of its prompt. True when instead the
+    /// forward pass of the token it emitted last is due ([`Worker::decode`] runs those).
+    fn step(&mut self, id: SessionId) -> bool {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return false;
+        };
+        let Some(r) = s.run.as_mut() else {
+            return false;
+        };
+        let Next::Prefill(rest) = r.stepper.next() else {
+            return matches!(r.stepper.next(), Next::Forward(_));
+        };
+        let room = Room {
+            id,
+            budget: self.budget.as_ref(),
+        };
+        let model = s.model.as_ref();
+        // A dense model takes up to MAX_BATCH tokens in one batched pass, the same pieces as the
+        // engine's own split of a long prompt (so the same logits); a sparse pipeline one token.
+        let piece = rest[..rest
+            .len()
+            .min(if model.ffn.is_some() { 1 } else { MAX_BATCH })]
+            .to_vec();
+        let result = prefill(model, s.session.as_mut(), &piece, &room).and_then(|logits| {
+            s.seen.extend_from_slice(&piece);
+            r.prefilled(piece.len(), logits, &model.model.tokenizer)
+        });
+        if let Err(f) = result {
+            r.fail(id, f);
+        }
+        self.settle(id);
+        false
+    }
+
+    /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
+    /// is gone).
+    fn settle(&mut self, id: SessionId) {
+        let Some(s) = self.sessions.get_mut(&id) else {
+            return;
+        };
+        let Some(r) = &mut s.run else {
+            return;
+        };
+        if r.flush_is_over()
+            && let Some(r) = s.run.take()
+        {
+            let position = s.session.position() as u32;
+            self.finished(id, true, r.stepper.ids().len() as u64, position);
+        }
+    }
+
+    /// Groups the sessions whose decode pass is due into batches that one pass can run: CPU
+    /// sessions of the same dense model and precision, at most [`MAX_BATCH`] a pass. Others
+    /// (a sparse pipeline, the GPU) run alone.
+    fn batches(&mut self, due: Vec<SessionId>) -> Vec<Vec<SessionId>> {
+        let mut groups: Vec<(Option<BatchKey>, Vec<SessionId>)> = Vec::new();
+        for id in due {
+            let Some(s) = self.sessions.get_mut(&id) else {
+                continue;
+            };
+            let dense = s.model.ffn.is_none();
+            let key = s
+                .session
+                .as_cpu()
+                .filter(|_| dense)
+                .map(|cpu| (Arc::as_ptr(&s.model) as usize, cpu.precision()));
+            match groups
+                .iter_mut()
+                .find(|(k, ids)| key.is_some() && *k == key && ids.len() < MAX_BATCH)
+            {
+                Some((_, ids)) => ids.push(id),
+                None => groups.push((key, vec![id])),
+            }
+        }
+        groups.into_iter().map(|(_, ids)| ids).collect()
+    }
+
+    /// Runs the due forward passes of `batch` (see [`Worker::batches`]), samples each session's
+    /// next token and writes it out: one pass for all when there are several, after reserving
+    /// each one's KV room (a session the budget refuses ends alone).
+    fn decode(&mut self, batch: &[SessionId]) {
+        let budget = self.budget.as_ref();
+        let mut ready: Vec<Due<'_>> = Vec::with_capacity(batch.len());
+        for (&id, s) in self.sessions.iter_mut() {
+            let Entry {
+                model,
+                session,
+                seen,
+                run: Some(r),
+            } = s
+            else {
+                continue;
+            };
+            // A command since the step may have cancelled it.
+            let Next::Forward(token) = r.stepper.next() else {
+                continue;
+            };
+            if !batch.contains(&id) {
+                continue;
+            }
+            let room = Room { id, budget };
+            match room.grow(session.as_mut(), 1) {
+                Ok(()) => ready.push(Due {
+                    id,
+                    model,
+                    session,
+                    seen,
+                    run: r,
+                    token,
+                }),
+                Err(f) => r.fail(id, f),
+            }
+        }
+        if ready.len() > 1 {
+            let tokens: Vec<u32> = ready.iter().map(|d| d.token).collect();
+            let mut cpu: Vec<&mut Session> = ready
+                .iter_mut()
+                .filter_map(|d| d.session.as_cpu())
+                .collect();
+            match forward_each(&mut cpu, &tokens) {
+                Ok(()) => {
+                    for d in &mut ready {
+                        d.run.shared_passes += 1;
+                        let cpu = d
+                            .session
+                            .as_cpu()
+                            .expect("batches() groups CPU sessions only");
+                        d.seen.push(d.token);
+                        let tok = &d.model.model.tokenizer;
+                        if let Err(f) = d.run.forwarded(cpu.logits(), tok) {
+                            d.run.fail(d.id, f);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("batched decode pass failed: {e}");
+                    for d in &mut ready {
+                        d.run.end_with_error("Internal", &e.to_string());
+                    }
+                }
+            }
+        } else {
+            for d in &mut ready {
+                let room = Room { id: d.id, budget };
+                let tok = &d.model.model.tokenizer;
+                let result = forward(d.model, d.session.as_mut(), d.token, &room).and_then(|l| {
+                    d.seen.push(d.token);
+                    d.run.forwarded(l, tok)
+                });
+                if let Err(f) = result {
+                    d.run.fail(d.id, f);
+                }
+            }
+        }
+        for &id in batch {
+            self.settle(id);
+        }
+    }
+
+    fn shutdown(mut self) {
+        for s in self.sessions.values_mut() {
+            if let Some(r) = &mut s.run {
+                r.end_with_error("Cancelled", "the daemon is shutting down");
+            }
+        }
+        // Give readers a moment to drain full pipes, then drop everything (EOF).
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let mut left = false;
+            for s in self.sessions.values_mut() {
+                if let Some(r) = &mut s.run {
+                    match r.flush() {
+                        Ok(true) => left = true,
+                        _ => s.run = None,
+                    }
+                }
+            }
+            if !left {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        tracing::info!("scheduler stopped");
+    }
+}
+
+/// One forward pass of `session`, through the model's sparse FFN pipeline when it has one,
+/// after making room for the token in its KV cache.
+fn forward<'s>(
+    model: &LoadedModel,
+    session: &'s mut dyn Decode,
+    token: u32,
+    room: &Room<'_>,
+) -> Result<&'s mut [f32], Failure> {
+    room.grow(session, 1)?;
+    Ok(match &model.ffn {
+        // A panic while the scheduler held the lock would have ended this thread, so a poisoned
+        // lock cannot be seen here; take it anyway rather than add a panic path.
+        Some(ffn) => session.forward_with(
+            token,
+            &mut *ffn
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )?,
+        None => session.forward(token)?,
+    })
+}
+
+/// Runs `piece` of a prompt: through the sparse pipeline (one token), or a dense model's batched
+/// pass after reserving the KV room for all of it. Returns the last token's logits.
+fn prefill<'s>(
+    model: &LoadedModel,
+    session: &'s mut dyn Decode,
+    piece: &[u32],
+    room: &Room<'_>,
+) -> Result<&'s mut [f32], Failure> {
+    match (&model.ffn, piece) {
+        (Some(_), &[token]) => forward(model, session, token, room),
+        _ => {
+            room.grow(session, piece.len())?;
+            Ok(session.forward_batch(piece)?)
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! The scheduler's tests: generations on small generated models, alone and side by side.
+#![allow(clippy::unwrap_used)]
+use std::io::Read;
+use std::sync::Mutex;
+
+use leanstream::contract::{StreamEvent, StreamStats};
+use leanstream_engine::backend::cpu::Precision;
+use leanstream_engine::io::{DirectFile, Fault, FaultKind, FaultyReader, ThreadPoolIo};
+use leanstream_engine::kv::KvType;
+use leanstream_engine::pipeline::{Executor, Mode, Policy, Selector, SparseModel, StreamingFfn};
+use leanstream_engine::sample::SamplerConfig;
+
+use super::*;
+use crate::loader::Footprint;
+use crate::models::ModelFile;
+use crate::testing::Fixture;
+
+const PROMPT: &str = "the cat sat on the";
+const TOKENS: usize = 12;
+
+/// A budget that grants every reservation up to a per-session limit the test can change
+/// while the scheduler runs.
+#[derive(Clone)]
+struct SharedLimit(Arc<std::sync::atomic::AtomicU64>);
+
+impl SharedLimit {
+    fn new(limit: u64) -> SharedLimit {
+        SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(limit)))
+    }
+}
+
+impl SessionBudget for SharedLimit {
+    fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
+        let limit = self.0.load(std::sync::atomic::Ordering::SeqCst);
+        if bytes <= limit {
+            Ok(())
+        } else {
+            Err(LeanStreamError::OverBudget(format!(
+                "session {id} needs {bytes} bytes, over {limit}"
+            )))
+        }
+    }
+
+    fn grow_model(&self, _name: &str, _bytes: u64) -> Result<(), LeanStreamError> {
+        Ok(())
+    }
+}
+
+fn load(fx: &Fixture, file: &ModelFile, toml: &str) -> LoadedModel {
+    let params = fx.params(toml);
+    let fp = Footprint::of(file, params.model(&file.name)).unwrap();
+    LoadedModel::load(file, &params, fp.cache_bytes).unwrap()
+}
+
+/// Runs one greedy generation per (model, prompt), all at once on one scheduler, and returns
+/// each stream's events.
+fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
+    let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let mut readers = Vec::new();
+    for (i, (model, prompt)) in runs.iter().enumerate() {
+        let id = i as SessionId + 1;
+        let session = model
+            .open_session(64, Precision::Exact, KvType::F32)
+            .unwrap();
+        let model = Arc::clone(model);
+        engine
+            .tx
+            .send(Command::Open { id, model, session })
+            .unwrap();
+        readers.push(start(&engine, id, prompt));
+    }
+    let streams = readers.into_iter().map(read_events).collect();
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+    streams
+}
+
+fn ids(events: &[StreamEvent]) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::Token { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Starts a generation of `prompt` on session `id`; returns the read end of its stream.
+fn start(engine: &Scheduler, id: SessionId, prompt: &str) -> std::io::PipeReader {
+    let (read, out) = std::io::pipe().unwrap();
+    start_into(engine, id, prompt, out);
+    read
+}
+
+/// A greedy generation of `max_tokens` tokens in class `priority`, without deadlines.
+fn spec(max_tokens: usize, priority: Priority) -> GenSpec {
+    GenSpec {
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        stop: Vec::new(),
+        grammar: None,
+        priority,
+        first_token_within: None,
+        within: None,
+    }
+}
+
+/// Starts a generation of `prompt` on session `id` that writes its stream to `out`.
+fn start_into(engine: &Scheduler, id: SessionId, prompt: &str, out: std::io::PipeWriter) {
+    let accepted = send_generate(engine, id, prompt, spec(TOKENS, Priority::default()), out);
+    accepted.blocking_recv().unwrap().unwrap();
+}
+
+/// Sends a `Generate` command without waiting for the scheduler to take it; returns where its
+/// answer comes.
+fn send_generate(
+    engine: &Scheduler,
+    id: SessionId,
+    prompt: &str,
+    spec: GenSpec,
+    out: std::io::PipeWriter,
+) -> tokio::sync::oneshot::Receiver<Result<(), LeanStreamError>> {
+    let (reply, accepted) = tokio::sync::oneshot::channel();
+    let input = Input::Text(prompt.to_string());
+    let cmd = Command::Generate {
+        id,
+        input,
+        spec,
+        out,
+        reply,
+    };
+    engine.tx.send(cmd).unwrap();
+    accepted
+}
+
+/// Reads a stream to its end.
+fn read_events(mut read: std::io::PipeReader) -> Vec<StreamEvent> {
+    let mut text = String::new();
+    read.read_to_string(&mut text).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Runs a generation of `prompt` on session `id` and returns its stream's events.
+fn run_one(engine: &Scheduler, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
+    read_events(start(engine, id, prompt))
+}
+
+/// A session that calls `before_pass` at the start of every forward pass.
+struct Hooked {
+    inner: Box<dyn Decode + Send>,
+    before_pass: Box<dyn FnMut() + Send>,
+}
+
+impl std::fmt::Debug for Hooked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hooked")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl Hooked {
+    fn note(&mut self) {
+        (self.before_pass)();
+    }
+}
+
+impl Decode for Hooked {
+    fn forward(&mut self, token: u32) -> leanstream_engine::Result<&mut [f32]> {
+        self.note();
+        self.inner.forward(token)
+    }
+    fn forward_batch(&mut self, tokens: &[u32]) -> leanstream_engine::Result<&mut [f32]> {
+        self.note();
+        self.inner.forward_batch(tokens)
+    }
+    fn position(&self) -> usize {
+        self.inner.position()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn forward_with(
+        &mut self,
+        token: u32,
+        exec: &mut dyn leanstream_engine::forward::FfnExecutor,
+    ) -> leanstream_engine::Result<&mut [f32]> {
+        self.note();
+        self.inner.forward_with(token, exec)
+    }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+    fn kv_growth_bytes(&self, tokens: usize) -> u64 {
+        self.inner.kv_growth_bytes(tokens)
+    }
+    fn grow_kv(&mut self, tokens: usize) -> leanstream_engine::Result<()> {
+        self.inner.grow_kv(tokens)
+    }
+    fn release_kv(&mut self) {
+        self.inner.release_kv()
+    }
+}
+
+#[test]
+fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let (read, out) = std::io::pipe().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    // At every pass: how many bytes of the token stream are waiting in the pipe (FIONREAD on
+    // a duplicate of the read end, which reads nothing).
+    let pipe = std::os::fd::OwnedFd::from(read.try_clone().unwrap());
+    let noted = Arc::clone(&seen);
+    let session = Box::new(Hooked {
+        inner: model
+            .open_session(64, Precision::Exact, KvType::F32)
+            .unwrap(),
+        before_pass: Box::new(move || {
+            use std::os::fd::AsRawFd;
+            let mut waiting: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int through the pointer, which points at `waiting`;
+            // the fd is open for the lifetime of `pipe`, which the closure owns.
+            let rc = unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut waiting) };
+            assert_eq!(rc, 0, "FIONREAD on the stream's pipe");
+            noted.lock().unwrap().push(waiting as usize);
+        }),
+    });
+    engine
+        .tx
+        .send(Command::Open {
+            id: 1,
+            model: Arc::clone(&model),
+            session,
+        })
+        .unwrap();
+    start_into(&engine, 1, PROMPT, out);
+    // Read nothing until the generation is over (the whole stream fits in the pipe), so
+    // what the session saw waiting is everything written so far.
+    while !matches!(
+        events_rx.blocking_recv(),
+        Some(Report::Finished { id: 1, .. }) | None
+    ) {}
+    let mut text = String::new();
+    let mut read = read;
+    read.read_to_string(&mut text).unwrap();
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+
+    // Bytes of the stream once token k (1-based) was written.
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let tokens = lines.len() - 1; // the last line is `done`
+    assert_eq!(tokens, TOKENS, "{text}");
+    let written: Vec<usize> = lines
+        .iter()
+        .scan(0, |sum, l| {
+            *sum += l.len();
+            Some(*sum)
+        })
+        .collect();
+    // The last TOKENS - 1 forward passes each follow a token: the one they run on must be
+    // in the pipe already.
+    let seen = seen.lock().unwrap();
+    // The prompt (under MAX_BATCH tokens) went through one batched pass.
+    assert_eq!(seen.len(), 1 + (TOKENS - 1), "{seen:?}");
+    let decode = &seen[1..];
+    assert_eq!(
+        decode,
+        &written[..TOKENS - 1],
+        "bytes waiting at each decode pass"
+    );
+}
+
+#[test]
+fn a_kv_block_over_budget_ends_the_generation_and_the_session_stays_usable() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let session = model
+        .open_session(64, Precision::Exact, KvType::F16)
+        .unwrap();
+    let open_bytes = session.bytes();
+    let block = session.kv_growth_bytes(1);
+    assert!(block > 0, "a new session holds no KV block");
+    let limit = SharedLimit::new(open_bytes);
+    let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(events, Box::new(limit.clone())).unwrap();
+    let id = 1;
+    let cmd = Command::Open {
+        id,
+        model: Arc::clone(&model),
+        session,
+    };
+    engine.tx.send(cmd).unwrap();
+    // No room for the first block: the generation ends at once, naming the budget.
+    let refused = run_one(&engine, id, PROMPT);
+    assert!(
+        matches!(refused.as_slice(), [StreamEvent::Error { name, .. }] if name == "OverBudget"),
+        "{refused:?}"
+    );
+    // With room for one block the same session generates as usual.
+    limit
+        .0
+        .store(open_bytes + block, std::sync::atomic::Ordering::SeqCst);
+    let served = run_one(&engine, id, PROMPT);
+    assert!(
+        matches!(served.last(), Some(StreamEvent::Done { .. })),
+        "{served:?}"
+    );
+    assert_eq!(ids(&served).len(), TOKENS);
+    engine.tx.send(Command::Close { id }).unwrap();
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+    let mut dropped = false;
+    while let Ok(ev) = events_rx.try_recv() {
+        dropped |= matches!(ev, Report::Dropped { id: 1 });
+    }
+    assert!(dropped, "closing reports that the session's memory is free");
+}
+
+#[test]
+fn streaming_modes_with_sparsity_off_generate_the_dense_tokens() {
+    let fx = Fixture::new();
+    let file = fx.lsm("tiny", None);
+    let dense = Arc::new(load(&fx, &file, ""));
+    let prompt_tokens = dense.model.tokenizer.encode(PROMPT).unwrap().len();
+    let expected = generate(&[(&dense, PROMPT)]).remove(0);
+    assert!(
+        matches!(expected.last(), Some(StreamEvent::Done { .. })),
+        "{expected:?}"
+    );
+    let expected = ids(&expected);
+    assert!(!expected.is_empty());
+    for mode in [Mode::Mmap, Mode::OnDemand, Mode::Prefetch, Mode::LeanStream] {
+        // Half the chunks: one layer, so every token evicts and reads again.
+        let share = if mode.uses_cache() {
+            "cache_share = 0.5\n"
+        } else {
+            ""
+        };
+        let toml = format!("[models.tiny]\nmode = \"{mode}\"\nsparsity = 0\n{share}");
+        let sparse = Arc::new(load(&fx, &file, &toml));
+        // Alongside a dense generation, as the scheduler interleaves them.
+        let out = generate(&[(&sparse, PROMPT), (&dense, PROMPT)]);
+        assert_eq!(ids(&out[0]), expected, "{mode}");
+        assert_eq!(ids(&out[1]), expected, "{mode}: the dense run beside it");
+        // Every forward pass went through the model's pipeline: the prompt, then each
+        // generated token but the last.
+        let stats = sparse.ffn.as_ref().unwrap().lock().unwrap().stats();
+        let passes = prompt_tokens + expected.len() - 1;
+        assert_eq!(stats.tokens as usize, passes, "{mode}");
+        if mode.uses_cache() {
+            assert!(
+                stats.misses > 0 && stats.bytes_read > 0,
+                "{mode}: {stats:?}"
+            );
+        }
+    }
+}
+
+/// The stats of a stream's `done` event.
+fn done_stats(events: &[StreamEvent]) -> &StreamStats {
+    match events.last() {
+        Some(StreamEvent::Done { stats, .. }) => stats,
+        other => panic!("the stream did not end with done: {other:?}"),
+    }
+}
+
+#[test]
+fn sessions_decoding_together_share_passes_and_keep_their_tokens() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let prompts = [PROMPT, "a bird sang", "one two three four five six"];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| ids(&generate(&[(&model, p)])[0]))
+        .collect();
+    let runs: Vec<(&Arc<LoadedModel>, &str)> = prompts.iter().map(|p| (&model, *p)).collect();
+    let together = generate(&runs);
+    let mut shared = 0;
+    for (i, events) in together.iter().enumerate() {
+        assert_eq!(
+            ids(events),
+            alone[i],
+            "session {i}'s tokens beside the others"
+        );
+        shared += done_stats(events).shared_decode_passes;
+    }
+    for events in generate(&runs[..1]) {
+        assert_eq!(done_stats(&events).shared_decode_passes, 0, "alone");
+    }
+    // All three start within one round of each other: most of their passes are shared.
+    assert!(shared >= TOKENS, "shared passes: {shared}");
+}
+
+#[test]
+fn a_read_error_ends_only_its_generation() {
+    let fx = Fixture::new();
+    let file = fx.lsm("tiny", None);
+    let toml = "[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 1.0\n";
+    let healthy = Arc::new(load(&fx, &file, toml));
+    // The same model, but the first chunk of layer 0 sits on a bad sector.
+    let mut faulty = load(&fx, &file, toml);
+    let sm = SparseModel::open(&file.path, false).unwrap();
+    let at = sm.layout.file_offset(sm.layout.id(0, 0));
+    let fault = Fault::on_range(at..at + 1, FaultKind::Error(std::io::ErrorKind::Other));
+    let reader = FaultyReader::new(Arc::new(DirectFile::open(&file.path).unwrap()), vec![fault]);
+    let io = ThreadPoolIo::new(Arc::new(reader), 1, Default::default()).unwrap();
+    let ffn = StreamingFfn::new(
+        Arc::clone(&sm),
+        Selector::new(sm.scorer(None).unwrap(), sm.layout.n_ff),
+        Policy::for_mode(Mode::LeanStream).unwrap(),
+        sm.layout.streamed_bytes(),
+        Box::new(io),
+        Precision::Exact,
+    )
+    .unwrap();
+    faulty.ffn = Some(Mutex::new(Executor::Streaming(Box::new(ffn))));
+    let faulty = Arc::new(faulty);
+
+    let expected = ids(&generate(&[(&healthy, PROMPT)])[0]);
+    let out = generate(&[
+        (&faulty, PROMPT),
+        (&healthy, PROMPT),
+        (&faulty, "a bird sang"),
+    ]);
+    for failed in [&out[0], &out[2]] {
+        match failed.as_slice() {
+            [StreamEvent::Error { name, message }] => {
+                assert_eq!(name, "Internal");
+                assert!(message.contains("chunk 0"), "{message}");
+            }
+            other => panic!("expected one error event, got {other:?}"),
+        }
+    }
+    assert_eq!(ids(&out[1]), expected, "the other generation goes on");
+    assert!(matches!(out[1].last(), Some(StreamEvent::Done { .. })));
+}
+
+/// Opens session `id` on `model` (context 64, exact, f32 KV), wrapped by `wrap`.
+fn open(
+    engine: &Scheduler,
+    id: SessionId,
+    model: &Arc<LoadedModel>,
+    wrap: impl FnOnce(Box<dyn Decode + Send>) -> Box<dyn Decode + Send>,
+) {
+    let session = wrap(
+        model
+            .open_session(64, Precision::Exact, KvType::F32)
+            .unwrap(),
+    );
+    let model = Arc::clone(model);
+    engine
+        .tx
+        .send(Command::Open { id, model, session })
+        .unwrap();
+}
+
+#[test]
+fn a_more_urgent_class_is_served_first_however_long_its_generation() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let (reports, mut reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    // Session 9 holds the scheduler inside its first forward pass until every other request is
+    // queued, so all of them are there when it next chooses.
+    let (release, gate) = std::sync::mpsc::channel::<()>();
+    let gate = Mutex::new(Some(gate));
+    open(&engine, 9, &model, |inner| {
+        Box::new(Hooked {
+            inner,
+            before_pass: Box::new(move || {
+                if let Some(gate) = gate.lock().unwrap().take() {
+                    let _ = gate.recv();
+                }
+            }),
+        })
+    });
+    for id in 1..=3 {
+        open(&engine, id, &model, |s| s);
+    }
+    let mut streams = Vec::new();
+    let mut answers = Vec::new();
+    let (read, out) = std::io::pipe().unwrap();
+    answers.push(send_generate(
+        &engine,
+        9,
+        PROMPT,
+        spec(1, Priority::Interactive),
+        out,
+    ));
+    streams.push(read);
+    // Background generations shorter than the realtime one: taking turns, they would end first.
+    let requests = [
+        (1, Priority::Background, 8),
+        (2, Priority::Background, 8),
+        (3, Priority::Realtime, 30),
+    ];
+    for (id, priority, tokens) in requests {
+        let (read, out) = std::io::pipe().unwrap();
+        answers.push(send_generate(
+            &engine,
+            id,
+            PROMPT,
+            spec(tokens, priority),
+            out,
+        ));
+        streams.push(read);
+    }
+    release.send(()).unwrap();
+    for a in answers {
+        a.blocking_recv().unwrap().unwrap();
+    }
+    let mut order = Vec::new();
+    while order.len() < 4 {
+        if let Some(Report::Finished { id, .. }) = reports_rx.blocking_recv() {
+            order.push(id);
+        }
+    }
+    let events: Vec<Vec<StreamEvent>> = streams.into_iter().map(read_events).collect();
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+    let pos = |id| order.iter().position(|&x| x == id).unwrap();
+    assert!(
+        pos(3) < pos(1) && pos(3) < pos(2),
+        "the realtime generation ends before the background ones: {order:?}"
+    );
+    assert_eq!(ids(&events[3]).len(), 30);
+    assert_eq!(done_stats(&events[3]).priority, "realtime");
+    assert_eq!(done_stats(&events[1]).priority, "background");
+}
+
+#[test]
+fn a_missed_deadline_is_reported_in_the_done_event_and_a_met_one_is_not() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    open(&engine, 1, &model, |s| s);
+    let run = |first: Duration, end: Duration| {
+        let (read, out) = std::io::pipe().unwrap();
+        let mut spec = spec(4, Priority::Interactive);
+        spec.first_token_within = Some(first);
+        spec.within = Some(end);
+        send_generate(&engine, 1, PROMPT, spec, out)
+            .blocking_recv()
+            .unwrap()
+            .unwrap();
+        done_stats(&read_events(read)).missed_deadlines.clone()
+    };
+    let hour = Duration::from_secs(3600);
+    assert_eq!(run(Duration::ZERO, hour), ["first_token"]);
+    assert_eq!(run(hour, Duration::ZERO), ["end"]);
+    assert!(run(hour, hour).is_empty());
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+}
