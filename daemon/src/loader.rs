@@ -19,7 +19,7 @@ use leanstream_engine::chat::ChatTemplate;
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::Decode;
-use leanstream_engine::kv::KvType;
+use leanstream_engine::kv::{KvPrefix, KvType};
 use leanstream_engine::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use leanstream_engine::model::{load_bytes_estimate, map_file};
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
@@ -164,6 +164,21 @@ pub struct LoadedModel {
     /// The vocabulary as the grammar parser walks it (a token trie), built on the first
     /// constrained generation and shared by every later one.
     constraint_vocab: OnceLock<Arc<ConstraintVocab>>,
+    /// Prompt prefixes whose keys and values sessions of this model share
+    /// ([`crate::scheduler`]'s prefix module decides what goes in). Paid for once, in the
+    /// model's reservation, and kept for the model's life. Only the scheduler thread locks it.
+    pub prefixes: Mutex<Vec<SharedPrefix>>,
+}
+
+/// The keys and values of a prompt prefix that sessions of one model share.
+#[derive(Debug)]
+pub struct SharedPrefix {
+    /// The prefix's tokens.
+    pub tokens: Vec<u32>,
+    /// The precision the keys and values were computed in: only sessions with the same one
+    /// adopt them (they would compute other numbers).
+    pub precision: Precision,
+    pub kv: KvPrefix,
 }
 
 impl LoadedModel {
@@ -353,6 +368,7 @@ impl LoadedModel {
             #[cfg(feature = "cuda")]
             gpu,
             constraint_vocab: OnceLock::new(),
+            prefixes: Mutex::new(Vec::new()),
         })
     }
 }

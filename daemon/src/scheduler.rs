@@ -18,6 +18,9 @@
 //! 4. **Tokens out at once.** A sampled token is written to its pipe before any other forward
 //!    pass starts.
 //!
+//! A prompt that starts with tokens another session of the model has run (a system prompt)
+//! starts from their shared keys and values instead of computing them (see [`prefix`]).
+//!
 //! Sessions on one model share its `Arc<Model>` (weights, tokenizer) and, in a sparse mode, its
 //! FFN pipeline with the neuron cache (see [`crate::loader`]); each owns its KV cache.
 //!
@@ -31,6 +34,7 @@
 //! closed its end) cancels that generation quietly.
 
 mod pipe;
+mod prefix;
 mod run;
 #[cfg(test)]
 mod tests;
@@ -395,11 +399,20 @@ impl Worker {
                 ids.len()
             )));
         }
-        // Reuse the KV cache when the new prompt extends what the session has seen.
+        // Reuse the KV cache when the new prompt extends what the session has seen; else start
+        // from a prefix other sessions share, if there is one.
         if !(s.seen.len() < ids.len() && ids.starts_with(&s.seen)) {
             s.session.reset();
             s.seen.clear();
         }
+        if s.seen.is_empty() {
+            prefix::adopt(&mut self.sessions, self.budget.as_ref(), id, &ids);
+        }
+        let s = self
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))?;
+        let tok = &s.model.model.tokenizer;
         let rules = StopRules {
             max_tokens: spec.max_tokens,
             eos: tok.specials().eos.clone(),

@@ -570,3 +570,63 @@ fn a_missed_deadline_is_reported_in_the_done_event_and_a_met_one_is_not() {
     engine.tx.send(Command::Shutdown).unwrap();
     engine.thread.join().unwrap();
 }
+
+#[test]
+fn a_prompt_starting_like_another_sessions_reuses_its_keys_and_values_and_keeps_its_tokens() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let system = "the cat sat on the mat and the dog sat on the log. ".repeat(4);
+    let n_system = model.model.tokenizer.encode(&system).unwrap().len();
+    assert!(n_system > prefix::MIN_SHARED_TOKENS, "{n_system} tokens");
+    let prompts = [
+        format!("{system}a bird sang"),
+        format!("{system}one two three"),
+        format!("{system}four five"),
+    ];
+    let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let open_256 = |id, model: &Arc<LoadedModel>| {
+        let session = model
+            .open_session(256, Precision::Exact, KvType::F16)
+            .unwrap();
+        let model = Arc::clone(model);
+        engine
+            .tx
+            .send(Command::Open { id, model, session })
+            .unwrap();
+    };
+    let run = |id, prompt: &str| {
+        let (read, out) = std::io::pipe().unwrap();
+        let spec = spec(TOKENS, Priority::Interactive);
+        send_generate(&engine, id, prompt, spec, out)
+            .blocking_recv()
+            .unwrap()
+            .unwrap();
+        read_events(read)
+    };
+    for (i, prompt) in prompts.iter().enumerate() {
+        // The reference: the same file loaded apart, nothing to share with.
+        let apart = Arc::new(load(&fx, &file, ""));
+        open_256(10 + i as SessionId, &apart);
+        let alone = run(10 + i as SessionId, prompt);
+        assert_eq!(done_stats(&alone).cached_prompt_tokens, 0, "apart");
+        open_256(1 + i as SessionId, &model);
+        let shared = run(1 + i as SessionId, prompt);
+        let cached = done_stats(&shared).cached_prompt_tokens;
+        if i == 0 {
+            assert_eq!(cached, 0, "the first session computes its prompt");
+            // The first stays open for the second to share with, then goes.
+        } else {
+            assert!(cached >= n_system - 1, "session {i}: {cached} cached");
+        }
+        assert_eq!(ids(&shared), ids(&alone), "session {i}'s tokens");
+        if i == 1 {
+            engine.tx.send(Command::Close { id: 1 }).unwrap();
+        }
+    }
+    // The third found the prefix in the model's store: the session it came from is closed.
+    assert_eq!(model.prefixes.lock().unwrap().len(), 1);
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+}

@@ -1,0 +1,159 @@
+//! Shared prompt prefixes: a session whose prompt starts with tokens another session of the
+//! model has already run (a robot's system prompt) starts from their keys and values instead of
+//! computing them.
+//!
+//! Policy:
+//! - A new prompt first looks in its model's stored prefixes ([`LoadedModel::prefixes`]) for
+//!   the longest one it starts with.
+//! - Failing that, it looks at the other open sessions of the model: when one has run at least
+//!   [`MIN_SHARED_TOKENS`] of the same first tokens, those positions are snapshotted (no copy:
+//!   the blocks become shared) and stored, so later sessions find them even after that session
+//!   is gone.
+//! - A stored prefix is paid once, in the model's reservation (the sessions sharing its blocks
+//!   do not pay for them), and stays for the model's life; at most [`MAX_PREFIXES`] a model, so
+//!   one-off prompts cannot pile up. Only CPU sessions of the same precision and KV type share.
+//! - Nothing here is required for correctness: when a step is refused (the budget, a layout
+//!   that does not match) the prompt is simply computed.
+
+use std::sync::PoisonError;
+
+use leanstream_engine::forward::Session;
+
+use super::{Entry, SessionBudget};
+use crate::loader::{LoadedModel, SharedPrefix};
+use crate::memory::SessionId;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Fewest tokens worth sharing: one KV block. Shorter prefixes (a chat template's header) cost
+/// less to compute than a slot in the store.
+pub const MIN_SHARED_TOKENS: usize = leanstream_engine::kv::KV_BLOCK_TOKENS;
+
+/// Most prefixes a model keeps.
+pub const MAX_PREFIXES: usize = 4;
+
+/// Starts session `id` (reset, holding nothing) from the longest shared prefix of `ids`, when
+/// there is one; returns how many tokens it holds now (0: none). Always leaves at least one
+/// token of `ids` to run, which gives the logits to sample from.
+pub fn adopt(
+    sessions: &mut BTreeMap<SessionId, Entry>,
+    budget: &dyn SessionBudget,
+    id: SessionId,
+    ids: &[u32],
+) -> usize {
+    let Some(entry) = sessions.get(&id) else {
+        return 0;
+    };
+    let model = Arc::clone(&entry.model);
+    let mut store = model
+        .prefixes
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let Some(mut me) = sessions.remove(&id) else {
+        return 0;
+    };
+    let adopted = match me.session.as_cpu() {
+        Some(cpu) => {
+            let stored = best_stored(&store, cpu, ids);
+            let stored_len = stored.map_or(0, |i| store[i].tokens.len());
+            let found = match live_source(sessions, &model, cpu, ids, stored_len) {
+                Some(source) => store_from(&mut store, sessions, budget, &model, source, ids),
+                None => stored,
+            };
+            found.and_then(|i| {
+                let prefix = &store[i];
+                cpu.adopt_prefix(&prefix.kv).ok()?;
+                Some(prefix.tokens.len())
+            })
+        }
+        None => None,
+    };
+    if let Some(n) = adopted {
+        me.seen = ids[..n].to_vec();
+        // Adopting freed what the session held of its own in those positions: a decrease.
+        let _ = budget.resize(id, me.session.bytes());
+        tracing::debug!("session {id}: starts from a shared prefix of {n} tokens");
+    }
+    sessions.insert(id, me);
+    adopted.unwrap_or(0)
+}
+
+/// Whether `session` can read keys and values computed as `prefix`'s were.
+fn compatible(prefix: &SharedPrefix, session: &Session) -> bool {
+    prefix.precision == session.precision() && prefix.kv.kv_type() == session.kv_type()
+}
+
+/// The longest stored prefix that `ids` starts with (and goes beyond).
+fn best_stored(store: &[SharedPrefix], session: &Session, ids: &[u32]) -> Option<usize> {
+    (0..store.len())
+        .filter(|&i| {
+            let p = &store[i];
+            p.tokens.len() < ids.len() && ids.starts_with(&p.tokens) && compatible(p, session)
+        })
+        .max_by_key(|&i| store[i].tokens.len())
+}
+
+/// The open session of `model` that has run the longest common prefix with `ids`, when that is
+/// at least [`MIN_SHARED_TOKENS`] and longer than `than`: its id and the prefix's length.
+fn live_source(
+    sessions: &mut BTreeMap<SessionId, Entry>,
+    model: &Arc<LoadedModel>,
+    me: &Session,
+    ids: &[u32],
+    than: usize,
+) -> Option<(SessionId, usize)> {
+    sessions
+        .iter_mut()
+        .filter(|(_, e)| Arc::ptr_eq(&e.model, model))
+        .filter_map(|(&other, e)| {
+            let cpu = e.session.as_cpu()?;
+            let same = cpu.precision() == me.precision() && cpu.kv_type() == me.kv_type();
+            // The other session's KV cache holds `seen` up to its position.
+            let run = e.seen.len().min(cpu.position());
+            let common = e.seen[..run]
+                .iter()
+                .zip(ids)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(ids.len() - 1);
+            same.then_some((other, common))
+        })
+        .filter(|&(_, n)| n >= MIN_SHARED_TOKENS && n > than)
+        .max_by_key(|&(_, n)| n)
+}
+
+/// Snapshots the first `n` positions of session `source` into the store, paid by the model;
+/// returns its index. `None` when the store is full, the budget refuses, or the snapshot fails.
+fn store_from(
+    store: &mut Vec<SharedPrefix>,
+    sessions: &mut BTreeMap<SessionId, Entry>,
+    budget: &dyn SessionBudget,
+    model: &LoadedModel,
+    (source, n): (SessionId, usize),
+    ids: &[u32],
+) -> Option<usize> {
+    if store.len() >= MAX_PREFIXES {
+        return None;
+    }
+    let e = sessions.get_mut(&source)?;
+    let cpu = e.session.as_cpu()?;
+    let kv = cpu.share_prefix(n).ok()?;
+    if let Err(err) = budget.grow_model(&model.name, kv.bytes()) {
+        tracing::debug!("model {}: a shared prefix does not fit: {err}", model.name);
+        return None; // dropping `kv` gives the blocks back to the source alone
+    }
+    // The source no longer pays for the shared blocks: a decrease.
+    let _ = budget.resize(source, cpu.bytes());
+    tracing::info!(
+        "model {}: prefix of {n} tokens shared ({} KiB, {} stored)",
+        model.name,
+        kv.bytes() / 1024,
+        store.len() + 1
+    );
+    store.push(SharedPrefix {
+        tokens: ids[..n].to_vec(),
+        precision: cpu.precision(),
+        kv,
+    });
+    Some(store.len() - 1)
+}
