@@ -100,7 +100,7 @@ pub async fn run(
     let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
     let (departures_tx, departures_rx) = mpsc::unbounded_channel();
     let engine = Scheduler::start(events_tx, Box::new(Budget(tx.clone())))
-        .context("starting the engine thread")?;
+        .context("starting the scheduler thread")?;
     let manager = Manager {
         tx: tx.clone(),
         params: Arc::clone(&params),
@@ -149,7 +149,7 @@ pub async fn run(
     // The scheduler flushes the final `Cancelled` events (for at most a second) and exits.
     let joined = tokio::task::spawn_blocking(move || engine.thread.join()).await;
     if !matches!(joined, Ok(Ok(()))) {
-        tracing::error!("the engine thread panicked");
+        tracing::error!("the scheduler thread panicked");
     }
     if let Err(e) = conn.release_name(BUS_NAME).await {
         tracing::warn!("releasing {BUS_NAME}: {e}");

@@ -95,7 +95,7 @@ fn system_prompt() -> String {
         "Shelves carry at most four hundred kilograms; refuse heavier loads politely.",
     ];
     let mut text = String::from("<|im_start|>system\n");
-    for round in 0..3 {
+    for round in 0..2 {
         for (i, rule) in rules.iter().enumerate() {
             text.push_str(&format!("Rule {}: {rule} ", round * rules.len() + i + 1));
         }
