@@ -4,7 +4,7 @@ use std::io::{IsTerminal, Write};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use leanstream::contract::{ChatTurn, GenerateParams, ModelInfo};
+use leanstream::contract::{ChatTurn, GenerateParams, ModelInfo, Priority};
 use leanstream::{Client, Generation, SessionHandle};
 use serde_json::json;
 use tokio::io::AsyncBufReadExt;
@@ -40,6 +40,17 @@ pub struct SamplingArgs {
     /// Context length of the session in tokens; 0 = the daemon's default.
     #[arg(long, default_value_t = 0)]
     pub context: u32,
+    /// The request's class: realtime (root and the daemon's admin group only), interactive or
+    /// background.
+    #[arg(long, default_value = "interactive", value_parser = Priority::parse)]
+    pub priority: Priority,
+    /// Milliseconds by which the first token should be out; 0 = none. A missed deadline is
+    /// reported at the end, not enforced.
+    #[arg(long, default_value_t = 0)]
+    pub first_token_deadline_ms: u32,
+    /// Milliseconds by which the generation should be over; 0 = none.
+    #[arg(long, default_value_t = 0)]
+    pub deadline_ms: u32,
 }
 
 impl SamplingArgs {
@@ -52,6 +63,9 @@ impl SamplingArgs {
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
             stop: self.stop.clone(),
+            priority: self.priority.name().into(),
+            first_token_deadline_ms: self.first_token_deadline_ms,
+            deadline_ms: self.deadline_ms,
             ..GenerateParams::default()
         }
     }
@@ -183,8 +197,16 @@ fn stdout_sink(failure: &mut Option<std::io::Error>) -> impl FnMut(&str) + '_ {
 
 fn report_end(generation: &Generation) {
     let s = &generation.stats;
+    let cached = match s.cached_prompt_tokens {
+        0 => String::new(),
+        n => format!(" ({n} cached)"),
+    };
+    let missed = match s.missed_deadlines.as_slice() {
+        [] => String::new(),
+        m => format!("; missed deadlines: {}", m.join(", ")),
+    };
     eprintln!(
-        "[{} prompt + {} generated tokens, stop: {}; first token {:.2} s, prefill {:.1} tok/s, decode {:.1} tok/s]",
+        "[{} prompt{cached} + {} generated tokens, stop: {}; first token {:.2} s, prefill {:.1} tok/s, decode {:.1} tok/s{missed}]",
         s.prompt_tokens,
         s.generated_tokens,
         generation.reason,
