@@ -60,14 +60,7 @@ fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
     let mut readers = Vec::new();
     for (i, (model, prompt)) in runs.iter().enumerate() {
         let id = i as SessionId + 1;
-        let session = model
-            .open_session(64, Precision::Exact, KvType::F32)
-            .unwrap();
-        let model = Arc::clone(model);
-        engine
-            .tx
-            .send(Command::Open { id, model, session })
-            .unwrap();
+        open(&engine, id, model, exact(model, 64, KvType::F32));
         readers.push(start(&engine, id, prompt));
     }
     let streams = readers.into_iter().map(read_events).collect();
@@ -225,9 +218,7 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
     let pipe = std::os::fd::OwnedFd::from(read.try_clone().unwrap());
     let noted = Arc::clone(&seen);
     let session = Box::new(Hooked {
-        inner: model
-            .open_session(64, Precision::Exact, KvType::F32)
-            .unwrap(),
+        inner: exact(&model, 64, KvType::F32),
         before_pass: Box::new(move || {
             use std::os::fd::AsRawFd;
             let mut waiting: libc::c_int = 0;
@@ -238,14 +229,7 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
             noted.lock().unwrap().push(waiting as usize);
         }),
     });
-    engine
-        .tx
-        .send(Command::Open {
-            id: 1,
-            model: Arc::clone(&model),
-            session,
-        })
-        .unwrap();
+    open(&engine, 1, &model, session);
     start_into(&engine, 1, PROMPT, out);
     // Read nothing until the generation is over (the whole stream fits in the pipe), so
     // what the session saw waiting is everything written so far.
@@ -450,18 +434,18 @@ fn a_read_error_ends_only_its_generation() {
     assert!(matches!(out[1].last(), Some(StreamEvent::Done { .. })));
 }
 
-/// Opens session `id` on `model` (context 64, exact, f32 KV), wrapped by `wrap`.
+/// A session of `model` in exact precision, for `context` tokens stored as `kv`.
+fn exact(model: &LoadedModel, context: usize, kv: KvType) -> Box<dyn Decode + Send> {
+    model.open_session(context, Precision::Exact, kv).unwrap()
+}
+
+/// Opens `session` on `model` as session `id` of the scheduler.
 fn open(
     engine: &Scheduler,
     id: SessionId,
     model: &Arc<LoadedModel>,
-    wrap: impl FnOnce(Box<dyn Decode + Send>) -> Box<dyn Decode + Send>,
+    session: Box<dyn Decode + Send>,
 ) {
-    let session = wrap(
-        model
-            .open_session(64, Precision::Exact, KvType::F32)
-            .unwrap(),
-    );
     let model = Arc::clone(model);
     engine
         .tx
@@ -480,18 +464,17 @@ fn a_more_urgent_class_is_served_first_however_long_its_generation() {
     // queued, so all of them are there when it next chooses.
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Mutex::new(Some(gate));
-    open(&engine, 9, &model, |inner| {
-        Box::new(Hooked {
-            inner,
-            before_pass: Box::new(move || {
-                if let Some(gate) = gate.lock().unwrap().take() {
-                    let _ = gate.recv();
-                }
-            }),
-        })
-    });
+    let held = Hooked {
+        inner: exact(&model, 64, KvType::F32),
+        before_pass: Box::new(move || {
+            if let Some(gate) = gate.lock().unwrap().take() {
+                let _ = gate.recv();
+            }
+        }),
+    };
+    open(&engine, 9, &model, Box::new(held));
     for id in 1..=3 {
-        open(&engine, id, &model, |s| s);
+        open(&engine, id, &model, exact(&model, 64, KvType::F32));
     }
     let mut streams = Vec::new();
     let mut answers = Vec::new();
@@ -551,7 +534,7 @@ fn a_missed_deadline_is_reported_in_the_done_event_and_a_met_one_is_not() {
     let model = Arc::new(load(&fx, &file, ""));
     let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
-    open(&engine, 1, &model, |s| s);
+    open(&engine, 1, &model, exact(&model, 64, KvType::F32));
     let run = |first: Duration, end: Duration| {
         let (read, out) = std::io::pipe().unwrap();
         let mut spec = spec(4, Priority::Interactive);
@@ -587,14 +570,7 @@ fn a_prompt_starting_like_another_sessions_reuses_its_keys_and_values_and_keeps_
     let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
     let open_256 = |id, model: &Arc<LoadedModel>| {
-        let session = model
-            .open_session(256, Precision::Exact, KvType::F16)
-            .unwrap();
-        let model = Arc::clone(model);
-        engine
-            .tx
-            .send(Command::Open { id, model, session })
-            .unwrap();
+        open(&engine, id, model, exact(model, 256, KvType::F16));
     };
     let run = |id, prompt: &str| {
         let (read, out) = std::io::pipe().unwrap();
