@@ -359,10 +359,7 @@ impl Worker {
     ) -> Result<(), LeanStreamError> {
         let received = Instant::now();
         let invalid = |e: leanstream_engine::Error| LeanStreamError::InvalidArgument(e.to_string());
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))?;
+        let s = entry(&mut self.sessions, id)?;
         if s.run.is_some() {
             return Err(LeanStreamError::Busy(
                 "a generation is already running on this session".into(),
@@ -395,10 +392,7 @@ impl Worker {
         if s.seen.is_empty() {
             prefix::adopt(&mut self.sessions, self.budget.as_ref(), id, &ids);
         }
-        let s = self
-            .sessions
-            .get_mut(&id)
-            .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))?;
+        let s = entry(&mut self.sessions, id)?;
         let tok = &s.model.model.tokenizer;
         let rules = StopRules {
             max_tokens: spec.max_tokens,
@@ -449,14 +443,16 @@ impl Worker {
         let model = s.model.as_ref();
         // A dense model takes up to MAX_BATCH tokens in one batched pass, the same pieces as the
         // engine's own split of a long prompt (so the same logits); a sparse pipeline one token.
-        let piece = rest[..rest
+        let n = rest
             .len()
-            .min(if model.ffn.is_some() { 1 } else { MAX_BATCH })]
-            .to_vec();
-        let result = prefill(model, s.session.as_mut(), &piece, &room).and_then(|logits| {
-            s.seen.extend_from_slice(&piece);
-            r.prefilled(piece.len(), logits, &model.model.tokenizer)
-        });
+            .min(if model.ffn.is_some() { 1 } else { MAX_BATCH });
+        let result = match prefill(model, s.session.as_mut(), &rest[..n], &room) {
+            Ok(logits) => {
+                s.seen.extend_from_slice(&rest[..n]);
+                r.prefilled(n, logits, &model.model.tokenizer)
+            }
+            Err(f) => Err(f),
+        };
         if let Err(f) = result {
             r.fail(id, f);
         }
@@ -506,6 +502,16 @@ impl Worker {
         }
         tracing::info!("scheduler stopped");
     }
+}
+
+/// Open session `id` of `sessions`, or the error a command for a session that is not open gets.
+fn entry(
+    sessions: &mut BTreeMap<SessionId, Entry>,
+    id: SessionId,
+) -> Result<&mut Entry, LeanStreamError> {
+    sessions
+        .get_mut(&id)
+        .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))
 }
 
 /// Runs `piece` of a prompt: through the sparse pipeline (one token), or a dense model's batched

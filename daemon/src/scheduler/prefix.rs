@@ -15,15 +15,16 @@
 //! - Nothing here is required for correctness: when a step is refused (the budget, a layout
 //!   that does not match) the prompt is simply computed.
 
-use std::sync::PoisonError;
+use std::collections::BTreeMap;
+use std::sync::{Arc, PoisonError};
 
+use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
+use leanstream_engine::kv::KvType;
 
 use super::{Entry, SessionBudget};
 use crate::loader::{LoadedModel, SharedPrefix};
 use crate::memory::SessionId;
-use std::collections::BTreeMap;
-use std::sync::Arc;
 
 /// Fewest tokens worth sharing: one KV block. Shorter prefixes (a chat template's header) cost
 /// less to compute than a slot in the store.
@@ -78,9 +79,15 @@ pub fn adopt(
     adopted.unwrap_or(0)
 }
 
+/// What keys and values must share to be read by another session: the precision they were
+/// computed in and the type they are stored in (the model is checked apart).
+fn numbers(session: &Session) -> (Precision, KvType) {
+    (session.precision(), session.kv_type())
+}
+
 /// Whether `session` can read keys and values computed as `prefix`'s were.
 fn compatible(prefix: &SharedPrefix, session: &Session) -> bool {
-    prefix.precision == session.precision() && prefix.kv.kv_type() == session.kv_type()
+    (prefix.precision, prefix.kv.kv_type()) == numbers(session)
 }
 
 /// The longest stored prefix that `ids` starts with (and goes beyond).
@@ -107,7 +114,7 @@ fn live_source(
         .filter(|(_, e)| Arc::ptr_eq(&e.model, model))
         .filter_map(|(&other, e)| {
             let cpu = e.session.as_cpu()?;
-            let same = cpu.precision() == me.precision() && cpu.kv_type() == me.kv_type();
+            let same = numbers(cpu) == numbers(me);
             // The other session's KV cache holds `seen` up to its position.
             let run = e.seen.len().min(cpu.position());
             let common = e.seen[..run]
