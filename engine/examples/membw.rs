@@ -1,7 +1,8 @@
-//! Measures this machine's streaming read bandwidth from DRAM with all cores, the ceiling for a
-//! memory-bound decode step (bytes of weights per token ÷ bandwidth = fastest possible token).
+//! Measures this machine's streaming read bandwidth from DRAM with all cores (or the number of
+//! threads given), the ceiling for a memory-bound decode step (bytes of weights per token ÷
+//! bandwidth = fastest possible token).
 //!
-//! `cargo run --release -p leanstream-engine --example membw [MiB per thread] [rounds]`
+//! `cargo run --release -p leanstream-engine --example membw [MiB per thread] [rounds] [threads]`
 //! Prints the best and median of the rounds, in GB/s (10^9 bytes).
 
 use std::time::Instant;
@@ -10,7 +11,10 @@ fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>());
     let mib = args.next().and_then(Result::ok).unwrap_or(512);
     let rounds = args.next().and_then(Result::ok).unwrap_or(7);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     // One buffer per thread, far larger than any cache; filled so its pages are really mapped.
     let bufs: Vec<Vec<u64>> = (0..threads)
         .map(|t| vec![t as u64 + 1; mib << 17])

@@ -232,15 +232,18 @@ impl Session {
         self.check_tokens(tokens)?;
         self.grow_kv(tokens.len())?;
         let last = tokens.chunks(MAX_BATCH).count() - 1;
-        for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
-            let mut pass = self.pass(batch.len());
-            pass.embed(batch)?;
-            pass.layers()?;
-            if b == last {
-                pass.head(&[batch.len() - 1])?;
+        cpu::on_pool(|| {
+            for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
+                let mut pass = self.pass(batch.len());
+                pass.embed(batch)?;
+                pass.layers()?;
+                if b == last {
+                    pass.head(&[batch.len() - 1])?;
+                }
+                self.pos += batch.len();
             }
-            self.pos += batch.len();
-        }
+            Ok::<_, Error>(())
+        })?;
         Ok(&mut self.s.logits)
     }
 
@@ -397,10 +400,12 @@ pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()>
         seats,
         rows,
     };
-    pass.embed(tokens)?;
-    pass.layers()?;
-    let all: Vec<usize> = (0..tokens.len()).collect();
-    pass.head(&all)?;
+    cpu::on_pool(|| {
+        pass.embed(tokens)?;
+        pass.layers()?;
+        let all: Vec<usize> = (0..tokens.len()).collect();
+        pass.head(&all)
+    })?;
     for s in sessions.iter_mut() {
         s.pos += 1;
     }

@@ -10,7 +10,8 @@
 //! system prompt cold, shared with an open session, and from the model's prefix store.
 //! Prints a table; writes JSON to the path given as the first argument, if any.
 //!
-//! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json]`
+//! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json] [exact|fast]`
+//! (the second argument is the daemon's `[engine] precision`, exact by default)
 //! (the test profile: the harness builds the daemon with it and looks for it next to this binary;
 //! `LEANSTREAMD_BIN` runs another daemon binary, e.g. an older build, against the same clients).
 
@@ -196,6 +197,11 @@ async fn cached_system_prompt(bus: &Bus) -> anyhow::Result<serde_json::Value> {
 
 fn main() -> anyhow::Result<()> {
     let out_path = std::env::args().nth(1);
+    let precision = match std::env::args().nth(2).as_deref() {
+        None | Some("exact") => "exact",
+        Some("fast") => "fast",
+        Some(other) => anyhow::bail!("precision {other:?}: exact or fast"),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -208,6 +214,7 @@ fn main() -> anyhow::Result<()> {
             // Room for the ~300-token system prompt and the background generations.
             max_context: 512,
             max_tokens: 256,
+            precision,
             ..DaemonConfig::default()
         };
         let _daemon = Daemon::start(&bus, &config).await?;
@@ -221,7 +228,7 @@ fn main() -> anyhow::Result<()> {
 
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!(
-            "{} prompts, greedy, {TOKENS} tokens, {cores} cores",
+            "{} prompts, greedy, {TOKENS} tokens, {precision} precision, {cores} cores",
             PROMPTS.len()
         );
         println!(
@@ -299,6 +306,7 @@ fn main() -> anyhow::Result<()> {
                 "prompts": PROMPTS,
                 "max_tokens": TOKENS,
                 "budget": config.budget,
+                "precision": precision,
                 "cores": cores,
                 "rows": rows,
                 "realtime": {

@@ -200,6 +200,8 @@ pub struct DaemonConfig {
     pub lsm: Option<PathBuf>,
     /// More TOML appended to the config file, e.g. a `[models.smollm2]` table.
     pub extra: String,
+    /// `[engine] precision`: `exact` (the default) or `fast`.
+    pub precision: &'static str,
 }
 
 impl Default for DaemonConfig {
@@ -212,6 +214,7 @@ impl Default for DaemonConfig {
             max_prompt_bytes: 4096,
             lsm: None,
             extra: String::new(),
+            precision: "exact",
         }
     }
 }
@@ -255,10 +258,11 @@ impl Daemon {
         std::fs::write(
             &conf,
             format!(
-                "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"exact\"\n\
+                "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"{}\"\n\
                  [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}\n",
                 models.display(),
                 cfg.budget,
+                cfg.precision,
                 cfg.max_sessions,
                 cfg.max_context,
                 cfg.max_tokens,

@@ -10,7 +10,7 @@
 use super::scratch::Work;
 use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
 use crate::Result;
-use crate::backend::cpu::{self, Disjoint, Kernels, Precision};
+use crate::backend::cpu::{self, Disjoint, Kernels, Precision, TOKEN_GROUP};
 use crate::kv::KvCache;
 use crate::model::{Down, LayerWeights};
 
@@ -217,20 +217,23 @@ impl Pass<'_> {
             .div_ceil(4 * rayon::current_num_threads())
             .max(cpu::FUSED_ROWS);
         cpu::for_each_chunk(n_ff, chunk, |r| {
-            for t in 0..n {
-                let o = t * n_ff;
-                // SAFETY: each neuron range is handed out once, so these sub-slices of distinct
-                // tasks do not overlap.
-                let (g, u) = unsafe {
-                    (
-                        gate.range(o + r.start..o + r.end),
-                        up.range(o + r.start..o + r.end),
-                    )
-                };
-                let xt = x.token(t, n);
-                k.rows_dot(&layer.ffn.gate, r.start, xt, g);
-                k.rows_dot(&layer.ffn.up, r.start, xt, u);
-                activation.gate_inplace(g, u);
+            for t0 in (0..n).step_by(TOKEN_GROUP) {
+                let t1 = (t0 + TOKEN_GROUP).min(n);
+                let mut g: [&mut [f32]; TOKEN_GROUP] = Default::default();
+                let mut u: [&mut [f32]; TOKEN_GROUP] = Default::default();
+                for (t, (g, u)) in (t0..t1).zip(g.iter_mut().zip(&mut u)) {
+                    let o = t * n_ff + r.start..t * n_ff + r.end;
+                    // SAFETY: each neuron range is handed out once, so these sub-slices of
+                    // distinct tasks do not overlap.
+                    (*g, *u) = unsafe { (gate.range(o.clone()), up.range(o)) };
+                }
+                let (g, u) = (&mut g[..t1 - t0], &mut u[..t1 - t0]);
+                let xt = x.tokens(t0..t1, n);
+                k.rows_dot_each(&layer.ffn.gate, r.start, xt, g);
+                k.rows_dot_each(&layer.ffn.up, r.start, xt, u);
+                for (g, u) in g.iter_mut().zip(u.iter()) {
+                    activation.gate_inplace(g, u);
+                }
             }
         });
         match &layer.ffn.down {

@@ -11,6 +11,7 @@
 //! products use the sign trick `maddubs(|a|, sign(b, a))`.
 
 mod kquant;
+mod rows;
 
 use std::arch::x86_64::*;
 
@@ -20,16 +21,57 @@ use kquant::{
     axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q5_k,
     dot_q6_k, q2_k_q8, q3_k_q8, q4_k_q8, q5_k_q8, q6_k_q8,
 };
+use rows::{q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8, q8_0_q8_x8};
 
-/// The AVX2 table, if this CPU has AVX2, FMA and F16C.
+/// The best table of this module for this CPU: the VNNI one where the CPU has AVX-512 VNNI, VL
+/// and BW, else the AVX2 one if it has AVX2, FMA and F16C.
 pub(super) fn detect() -> Option<&'static Kernels> {
-    (is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c"))
-    .then_some(&KERNELS)
+    supported().pop()
 }
 
-static KERNELS: Kernels = Kernels {
+/// Every table of this module this CPU supports, best last.
+pub(super) fn supported() -> Vec<&'static Kernels> {
+    let mut tables = Vec::new();
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
+        tables.push(&KERNELS);
+        if is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
+        {
+            tables.push(&VNNI);
+        }
+    }
+    tables
+}
+
+static KERNELS: Kernels = AVX2;
+
+/// [`AVX2`] with the eight-row integer kernels on VNNI's one-instruction byte products; only the
+/// eight-row kernels differ (each gives the same bits as the AVX2 one).
+static VNNI: Kernels = Kernels {
+    name: "avx2+fma+f16c+avx512vnni+bw",
+    dot_q8_x8: [
+        None,
+        None,
+        None,
+        Some(vnni_table::q8_0_q8_x8_vnni),
+        Some(vnni_table::q4_0_q8_x8_vnni),
+        Some(vnni_table::q4_1_q8_x8_vnni),
+        Some(vnni_table::q5_0_q8_x8_vnni),
+        Some(vnni_table::q5_1_q8_x8_vnni),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
+    ..AVX2
+};
+
+const AVX2: Kernels = Kernels {
     name: "avx2+fma+f16c",
     dot: [
         table::dot_f32,
@@ -76,12 +118,28 @@ static KERNELS: Kernels = Kernels {
         table::axpy_q5_k,
         table::axpy_q6_k,
     ],
+    dot_q8_x8: [
+        None,
+        None,
+        None,
+        Some(table::q8_0_q8_x8),
+        Some(table::q4_0_q8_x8),
+        Some(table::q4_1_q8_x8),
+        Some(table::q5_0_q8_x8),
+        Some(table::q5_1_q8_x8),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     quantize: table::quantize,
 };
 
 /// Plain-fn wrappers for the table.
 mod table {
     use super::Q8Block;
+    use super::rows::Rows8;
 
     macro_rules! wrap {
         ($(fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?;)*) => {$(
@@ -130,8 +188,38 @@ mod table {
         fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
+        fn q8_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q4_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q4_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q5_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q5_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn quantize(x: &[f32], out: &mut [Q8Block]);
     }
+}
+
+/// Plain-fn wrappers of the VNNI kernels, for [`VNNI`].
+mod vnni_table {
+    use super::Q8Block;
+    use super::rows::Rows8;
+
+    macro_rules! wrap_vnni {
+        ($($name:ident),*) => {$(
+            pub(super) fn $name(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+                // SAFETY: these wrappers are private to this module and only reachable through
+                // `VNNI`, which `supported` hands out after finding avx2, fma, f16c, avx512vnni,
+                // avx512vl and avx512bw.
+                unsafe { super::rows::$name(rows, acts, out) }
+            }
+        )*};
+    }
+
+    wrap_vnni!(
+        q8_0_q8_x8_vnni,
+        q4_0_q8_x8_vnni,
+        q4_1_q8_x8_vnni,
+        q5_0_q8_x8_vnni,
+        q5_1_q8_x8_vnni
+    );
 }
 
 // ---- bounds-checked loads and stores -------------------------------------------------------

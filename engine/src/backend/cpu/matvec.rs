@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{Kernels, Precision, Prepared, QuantizedActs, dtype_index};
+use super::{Kernels, Precision, Prepared, QuantizedActs, TOKEN_GROUP, dtype_index};
 use crate::model::QRows;
 
 /// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
@@ -55,10 +55,16 @@ fn run(
     let fast = k
         .integer_dot(m.dtype)
         .filter(|_| precision == Precision::Fast);
-    if let Some(dot) = fast {
+    if fast.is_some() {
         scratch.quantize_with(k, x);
         let acts = scratch.blocks();
-        each_row(m, rows, out, |row| dot(row, acts));
+        fill(out, |r, os| match rows {
+            Rows::All => k.dot_rows_q8(m.dtype, m.rows_in(r), acts, os),
+            Rows::Listed(ids) => {
+                let listed = ids[r].iter().map(|&i| m.row(i as usize));
+                k.dot_rows_q8(m.dtype, listed, acts, os)
+            }
+        });
     } else {
         let dot = k.dot[dtype_index(m.dtype)];
         each_row(m, rows, out, |row| dot(row, x));
@@ -105,6 +111,23 @@ pub(super) fn matvec_rows(
 /// Rows per work item of a fused mat-vec: 32 rows × 576 values of Q4_1 is ~12 KB of weights, a
 /// couple of microseconds of work.
 pub const FUSED_ROWS: usize = 32;
+
+/// Runs `f` on a thread of the compute pool (rayon's global pool) and returns its result.
+///
+/// A forward pass opens a few hundred parallel regions per token. Opened from a thread outside
+/// the pool, each region hands its work to the pool and puts the caller to sleep until it is
+/// done: two thread wake-ups per region, which cost SmolLM2 about a quarter of a 1-thread decode
+/// step (`perf record`: `try_to_wake_up`, `__schedule`, `sched_yield`). Opened on a pool thread,
+/// a region is a fork-join in which that thread does its share and idle threads steal the rest.
+/// So a forward pass runs whole on the pool: one hand-off per pass instead of one per region.
+/// On a pool thread already, `f` simply runs.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    // `scope` runs its body on a worker of the global pool and waits for it.
+    rayon::scope(|_| f())
+}
 
 /// Calls `f(range)` for consecutive ranges of `chunk` items covering `0..n`, as one region of
 /// the rayon pool (on the calling thread alone when `n <= chunk`).
@@ -205,11 +228,16 @@ pub(super) fn fused_matvecs<const N: usize>(
             }
             let (m, outs) = &jobs[j];
             let r = i * FUSED_ROWS..((i + 1) * FUSED_ROWS).min(m.rows);
-            for (t, out) in outs.iter().enumerate() {
-                // SAFETY: `for_each_chunk` hands out each item once, and distinct items of job
-                // `j` map to disjoint row ranges of each token's output.
-                let out = unsafe { out.range(r.clone()) };
-                k.rows_dot(m, r.start, x.token(t, n_tokens), out);
+            for t0 in (0..n_tokens).step_by(TOKEN_GROUP) {
+                let t1 = (t0 + TOKEN_GROUP).min(n_tokens);
+                let mut group: [&mut [f32]; TOKEN_GROUP] = Default::default();
+                for (g, out) in group.iter_mut().zip(&outs[t0..t1]) {
+                    // SAFETY: `for_each_chunk` hands out each item once, and distinct items of
+                    // job `j` map to disjoint row ranges of each token's output.
+                    *g = unsafe { out.range(r.clone()) };
+                }
+                let x = x.tokens(t0..t1, n_tokens);
+                k.rows_dot_each(m, r.start, x, &mut group[..t1 - t0]);
             }
         }
     });

@@ -3,9 +3,10 @@
 //!
 //! # Dispatch
 //! Every quantised kernel exists in a portable scalar version (`scalar`, the fallback on every
-//! machine) and in SIMD versions: x86_64 AVX2 (`avx2`, used when the CPU has AVX2, FMA and F16C)
-//! and aarch64 NEON (`neon`: the `neon` table, and `neon+dotprod` where the CPU has the Armv8.2
-//! dot-product instructions, which only changes the integer kernels). The choice is made once,
+//! machine) and in SIMD versions: x86_64 AVX2 (`avx2`, used when the CPU has AVX2, FMA and F16C;
+//! `avx2+fma+f16c+avx512vnni+bw` where it also has those) and aarch64 NEON (`neon`: the `neon`
+//! table, and `neon+dotprod` where the CPU has the Armv8.2 dot-product instructions, which only
+//! changes the integer kernels). The choice is made once,
 //! on first use, and cached as a table of function pointers ([`Kernels`]). Nothing is compiled
 //! with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
 //!
@@ -13,6 +14,16 @@
 //! form (per 16 values a float scale and min, per value an i8 quant: `scalar_kquant`,
 //! `avx2/kquant.rs`, `neon/kquant.rs`). The NEON kernels are tested under QEMU
 //! (`scripts/test-aarch64`); their speed on real hardware is not measured yet.
+//!
+//! # Eight rows at a time
+//! In the fast path, the AVX2 tables run the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+//! through eight-row kernels (`avx2/rows.rs`): eight rows share the activation loads and the
+//! per-block bookkeeping (scale conversion, the fold into the running sum) that dominates a
+//! one-row kernel, and in a batch each group of rows is decoded once for up to four tokens. Each
+//! row's result is the scalar kernel's, bit for bit. On CPUs with AVX-512 VNNI, VL and BW a second
+//! table does the byte products in one instruction (`vpdpbusd`) and decodes Q5 blocks with byte
+//! masks. The rows of the next group are prefetched while a group is computed: eight rows read
+//! side by side are eight streams, which the hardware prefetcher follows poorly.
 //!
 //! # Precision
 //! [`Precision::Exact`] multiplies f32 activations with dequantised weights (within ~1e-3 of an f32
@@ -45,7 +56,7 @@ use crate::quant::{DType, QK};
 
 pub use attend::{KvRows, KvSpan, attend, attend_spans};
 pub use dense::{add_inplace, rmsnorm, rmsnorm_inplace, rope, silu_mul, softmax_inplace};
-pub use matvec::{Disjoint, for_each_chunk};
+pub use matvec::{Disjoint, for_each_chunk, on_pool};
 pub use partial::{down_neurons, partial_sums};
 
 /// Activation precision of quantised dot products.
@@ -151,6 +162,25 @@ pub struct Prepared<'a> {
 }
 
 impl<'a> Prepared<'a> {
+    /// Tokens `range` of a batch prepared as one token-major vector of `n_tokens` tokens.
+    ///
+    /// Panics unless `range` lies in `0..n_tokens` and the length is `n_tokens` whole blocks.
+    pub fn tokens(self, range: std::ops::Range<usize>, n_tokens: usize) -> Prepared<'a> {
+        assert!(
+            range.start <= range.end && range.end <= n_tokens,
+            "tokens {range:?} of {n_tokens}"
+        );
+        let cols = self.x.len() / n_tokens;
+        assert_eq!(cols * n_tokens, self.x.len(), "batch of {n_tokens} tokens");
+        Prepared {
+            x: &self.x[range.start * cols..range.end * cols],
+            blocks: self.blocks.map(|b| {
+                assert!(cols.is_multiple_of(QK), "{cols} values per token");
+                &b[range.start * cols / QK..range.end * cols / QK]
+            }),
+        }
+    }
+
     /// Token `t` of a batch prepared as one token-major vector of `n_tokens` tokens.
     ///
     /// Panics if `t` is not below `n_tokens` or the length is not `n_tokens` whole blocks.
@@ -182,6 +212,10 @@ impl<'a> Prepared<'a> {
 pub(crate) type DotFn = fn(&[u8], &[f32]) -> f32;
 /// `Σ w·x` over one quantised row against quantised activations (one block per row block).
 pub(crate) type DotQ8Fn = fn(&[u8], &[Q8Block]) -> f32;
+/// [`DotQ8Fn`] of eight rows of one type and length at once, for several tokens: `out[t][r]` is
+/// row `r` against `acts[t]`, bit for bit what the scalar integer kernel gives for that pair,
+/// whatever the other rows and tokens are.
+pub(crate) type DotQ8x8Fn = fn([&[u8]; 8], &[&[Q8Block]], &mut [[f32; 8]]);
 /// `out += a * w` over one row of `out.len()` values.
 pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
 /// Quantises `x` into `out` (`out.len() == x.len().div_ceil(32)`).
@@ -199,10 +233,36 @@ pub struct Kernels {
     /// Indexed by [`dtype_index`]: the integer dot product against 8-bit activation blocks;
     /// `None` for the float types, which take the exact `dot` in either precision.
     dot_q8: [Option<DotQ8Fn>; DType::ALL.len()],
+    /// Indexed by [`dtype_index`]: the integer kernel over eight rows at once, where the table
+    /// has one (used in place of `dot_q8` for every group of rows; see [`Kernels::dot_rows_q8`]).
+    dot_q8_x8: [Option<DotQ8x8Fn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`].
     axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
 }
+
+/// Asks the CPU to start loading `bytes` into its caches (a hint: nothing is read, nothing can
+/// fault). A no-op where no portable prefetch instruction is available.
+#[inline]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch reads nothing and cannot fault; SSE is part of x86_64.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// A `dot_q8_x8` column for tables without eight-row kernels.
+const NO_ROW_GROUPS: [Option<DotQ8x8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
+
+/// Most tokens [`Kernels::rows_dot_each`] takes at once.
+pub const TOKEN_GROUP: usize = 16;
 
 /// Where `dtype`'s kernels sit in a table: its position in [`DType::ALL`], which is its
 /// declaration order (a test checks the two agree).
@@ -248,7 +308,7 @@ impl Kernels {
     pub(crate) fn supported() -> Vec<&'static Kernels> {
         let mut tables = vec![Kernels::scalar()];
         #[cfg(target_arch = "x86_64")]
-        tables.extend(avx2::detect());
+        tables.extend(avx2::supported());
         #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
         tables.extend(neon::supported());
         tables
@@ -326,12 +386,113 @@ impl Kernels {
     pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
         assert_eq!(x.len(), m.cols, "activations vs matrix columns");
         // Every row `rows_in` yields has exactly the bytes of `m.cols` values: no prefix check.
-        let rows = m.rows_in(first..first + out.len()).zip(out);
-        match (x.blocks, self.integer_dot(m.dtype)) {
-            (Some(b), Some(dot)) => rows.for_each(|(row, o)| *o = dot(row, b)),
+        let rows = m.rows_in(first..first + out.len());
+        match x.blocks {
+            Some(b) if self.integer_dot(m.dtype).is_some() => {
+                self.dot_rows_q8(m.dtype, rows, b, out)
+            }
             _ => {
                 let dot = self.dot[dtype_index(m.dtype)];
-                rows.for_each(|(row, o)| *o = dot(row, x.x));
+                rows.zip(out).for_each(|(row, o)| *o = dot(row, x.x));
+            }
+        }
+    }
+
+    /// [`Kernels::rows_dot`] for each token of a batch: `outs[t]` gets rows `first..` against
+    /// token `t` of `x`, which was prepared for `outs.len()` tokens (at most [`TOKEN_GROUP`]).
+    /// In the fast path each group of rows is read once for every token; the results are those
+    /// of [`Kernels::rows_dot`] on each token alone, bit for bit.
+    ///
+    /// Panics unless every output has the same length, `first` plus it is at most `m.rows`,
+    /// and `x` holds `outs.len()` vectors of `m.cols` values.
+    pub fn rows_dot_each(&self, m: &QRows, first: usize, x: Prepared<'_>, outs: &mut [&mut [f32]]) {
+        let n = outs.len();
+        assert!(n <= TOKEN_GROUP, "{n} tokens in one group");
+        assert_eq!(x.len(), n * m.cols, "activations vs matrix columns");
+        let len = outs.first().map_or(0, |o| o.len());
+        match x.blocks {
+            Some(_) if self.integer_dot(m.dtype).is_some() => {
+                let mut acts: [&[Q8Block]; TOKEN_GROUP] = [&[]; TOKEN_GROUP];
+                for (t, a) in acts.iter_mut().enumerate().take(n) {
+                    *a = x.token(t, n).blocks.expect("prepared for the fast path");
+                }
+                let rows = m.rows_in(first..first + len);
+                self.dot_rows_q8_each(m.dtype, rows, &acts[..n], outs);
+            }
+            _ => {
+                for (t, out) in outs.iter_mut().enumerate() {
+                    self.rows_dot(m, first, x.token(t, n), out);
+                }
+            }
+        }
+    }
+
+    /// `out[k]` = the integer dot product of the `k`-th of `rows` (each exactly one row's bytes of
+    /// `dtype`, which has an integer kernel) with `acts`.
+    pub(crate) fn dot_rows_q8<'r>(
+        &self,
+        dtype: DType,
+        rows: impl Iterator<Item = &'r [u8]>,
+        acts: &[Q8Block],
+        out: &mut [f32],
+    ) {
+        self.dot_rows_q8_each(dtype, rows, &[acts], &mut [out]);
+    }
+
+    /// [`Kernels::dot_rows_q8`] for several tokens: `outs[t][k]` is the `k`-th row against
+    /// `acts[t]`. Eight rows per kernel call where the table has an eight-row kernel (the last
+    /// group padded with copies of its last row), each group of rows read once for all tokens.
+    pub(crate) fn dot_rows_q8_each<'r>(
+        &self,
+        dtype: DType,
+        rows: impl Iterator<Item = &'r [u8]>,
+        acts: &[&[Q8Block]],
+        outs: &mut [&mut [f32]],
+    ) {
+        assert_eq!(acts.len(), outs.len(), "one output per token");
+        let n = outs.first().map_or(0, |o| o.len());
+        assert!(outs.iter().all(|o| o.len() == n), "outputs of one length");
+        let i = dtype_index(dtype);
+        let Some(dot8) = self.dot_q8_x8[i] else {
+            let dot = self.dot_q8[i].expect("an integer kernel");
+            for (k, row) in rows.take(n).enumerate() {
+                for (out, a) in outs.iter_mut().zip(acts) {
+                    out[k] = dot(row, a);
+                }
+            }
+            return;
+        };
+        // Each group's rows are gathered (and their bytes prefetched) one group ahead: eight rows
+        // read side by side are eight streams, which the hardware prefetcher follows far worse
+        // than one row read from start to end (SmolLM2 decodes at about half speed without).
+        let mut rows = rows.peekable();
+        let mut take = |len: usize| -> [&[u8]; 8] {
+            let mut group: [&[u8]; 8] = [&[]; 8];
+            for g in 0..8 {
+                group[g] = match rows.next_if(|_| g < len) {
+                    Some(row) => {
+                        prefetch(row);
+                        row
+                    }
+                    None => group[g - 1],
+                };
+            }
+            group
+        };
+        let mut results = [[0f32; 8]; TOKEN_GROUP];
+        let mut next = (n > 0).then(|| take(n.min(8)));
+        for start in (0..n).step_by(8) {
+            let len = (n - start).min(8);
+            let group = next.take().expect("a group per eight outputs");
+            if start + 8 < n {
+                next = Some(take((n - start - 8).min(8)));
+            }
+            for (a, o) in acts.chunks(TOKEN_GROUP).zip(outs.chunks_mut(TOKEN_GROUP)) {
+                let res = &mut results[..a.len()];
+                dot8(group, a, res);
+                for (out, r) in o.iter_mut().zip(res.iter()) {
+                    out[start..start + len].copy_from_slice(&r[..len]);
+                }
             }
         }
     }

@@ -97,6 +97,7 @@ static NEON: Kernels = Kernels {
         Some(table::q6_k_q8),
     ],
     axpy: AXPY,
+    dot_q8_x8: super::NO_ROW_GROUPS,
     quantize: table::quantize,
 };
 
@@ -119,6 +120,7 @@ static NEON_DOTPROD: Kernels = Kernels {
         Some(table_dotprod::q6_k_q8),
     ],
     axpy: AXPY,
+    dot_q8_x8: super::NO_ROW_GROUPS,
     quantize: table::quantize,
 };
 

@@ -763,3 +763,49 @@ fn integer_kernels_match_the_scalar_integer_kernels() {
         }
     }
 }
+
+/// The many-token path of every table ([`Kernels::rows_dot_each`], which pads the last group of
+/// eight rows and splits the tokens into groups) gives each (row, token) pair exactly the result
+/// of a one-row kernel: the scalar one where the table has an eight-row kernel for the type (which
+/// rounds as the scalar one does), else the table's own. On contiguous and strided matrices whose
+/// row count is not a multiple of eight, for one token and for more than one group of tokens.
+#[test]
+fn row_groups_equal_the_scalar_kernel_bit_for_bit() {
+    let mut rng = Rng(23);
+    let scalar = Kernels::scalar();
+    for k in tables() {
+        for dtype in DTYPES.into_iter().filter(|d| !d.is_float()) {
+            let one_row = match k.dot_q8_x8[dtype_index(dtype)] {
+                Some(_) => scalar,
+                None => k,
+            };
+            for (rows, blocks, strided) in [(1, 1, false), (13, 3, true), (29, 18, false)] {
+                let cols = width(dtype, 32 * blocks);
+                let m = matrix(&mut rng, dtype, rows, cols, strided);
+                for n_tokens in [1, 3, TOKEN_GROUP] {
+                    let x = rng.vec(n_tokens * cols, 2.0);
+                    let mut scratch = QuantizedActs::new(x.len());
+                    let prepared = k.prepare(&x, Precision::Fast, &mut scratch);
+                    let first = rows / 3;
+                    let mut got = vec![vec![f32::NAN; rows - first]; n_tokens];
+                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
+                    k.rows_dot_each(&m, first, prepared, &mut outs);
+                    for (t, out) in got.iter().enumerate() {
+                        let mut acts = QuantizedActs::new(cols);
+                        acts.quantize_with(scalar, &x[t * cols..(t + 1) * cols]);
+                        for (i, &g) in out.iter().enumerate() {
+                            let want = one_row.dot_q8(dtype, m.row(first + i), &acts);
+                            assert_eq!(
+                                g.to_bits(),
+                                want.to_bits(),
+                                "{} {dtype} row {} of {rows}, token {t} of {n_tokens}: {g} vs {want}",
+                                k.name(),
+                                first + i
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
