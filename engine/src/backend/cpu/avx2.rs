@@ -21,7 +21,7 @@ use kquant::{
     axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q5_k,
     dot_q6_k, q2_k_q8, q3_k_q8, q4_k_q8, q5_k_q8, q6_k_q8,
 };
-use rows::{q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8, q8_0_q8_x8};
+use rows::{dot_q4_1_x8, q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8, q8_0_q8_x8};
 
 /// The best table of this module for this CPU: the VNNI one where the CPU has AVX-512 VNNI, VL
 /// and BW, else the AVX2 one if it has AVX2, FMA and F16C.
@@ -133,6 +133,21 @@ const AVX2: Kernels = Kernels {
         None,
         None,
     ],
+    dot_x8: [
+        None,
+        None,
+        None,
+        None,
+        None,
+        Some(table::dot_q4_1_x8),
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     quantize: table::quantize,
 };
 
@@ -193,6 +208,7 @@ mod table {
         fn q4_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q5_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q5_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn dot_q4_1_x8(rows: Rows8<'_>, xs: &[&[f32]], out: &mut [[f32; 8]]);
         fn quantize(x: &[f32], out: &mut [Q8Block]);
     }
 }

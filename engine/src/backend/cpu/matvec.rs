@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use super::{Kernels, Precision, Prepared, QuantizedActs, TOKEN_GROUP, dtype_index};
+use super::{Kernels, Precision, Prepared, QuantizedActs, TOKEN_GROUP};
 use crate::model::QRows;
 
 /// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
@@ -58,28 +58,28 @@ fn run(
     if fast.is_some() {
         scratch.quantize_with(k, x);
         let acts = scratch.blocks();
-        fill(out, |r, os| match rows {
-            Rows::All => k.dot_rows_q8(m.dtype, m.rows_in(r), acts, os),
-            Rows::Listed(ids) => {
-                let listed = ids[r].iter().map(|&i| m.row(i as usize));
-                k.dot_rows_q8(m.dtype, listed, acts, os)
-            }
+        each_range(m, rows, out, |rows, os| {
+            k.dot_rows_q8_each(m.dtype, rows, &[acts], &mut [os])
         });
     } else {
-        let dot = k.dot[dtype_index(m.dtype)];
-        each_row(m, rows, out, |row| dot(row, x));
+        each_range(m, rows, out, |rows, os| {
+            k.dot_rows_each(m.dtype, rows, &[x], &mut [os])
+        });
     }
 }
 
-/// `out[k] = dot(k-th row of rows)` over the pool. The rows [`QRows::rows_in`] and
-/// [`QRows::row`] give are exactly one row's bytes, so the kernels need no prefix check.
-fn each_row(m: &QRows, rows: Rows<'_>, out: &mut [f32], dot: impl Fn(&[u8]) -> f32 + Sync) {
+/// `f(rows, out[r])` over the pool for consecutive ranges `r` of `out`, `rows` being the rows
+/// of `rows` in that range. The rows [`QRows::rows_in`] and [`QRows::row`] give are exactly one
+/// row's bytes, so the kernels need no prefix check.
+fn each_range(
+    m: &QRows,
+    rows: Rows<'_>,
+    out: &mut [f32],
+    f: impl Fn(&mut dyn Iterator<Item = &[u8]>, &mut [f32]) + Sync,
+) {
     fill(out, |r, os| match rows {
-        Rows::All => m.rows_in(r).zip(os).for_each(|(row, o)| *o = dot(row)),
-        Rows::Listed(ids) => ids[r]
-            .iter()
-            .zip(os)
-            .for_each(|(&i, o)| *o = dot(m.row(i as usize))),
+        Rows::All => f(&mut m.rows_in(r), os),
+        Rows::Listed(ids) => f(&mut ids[r].iter().map(|&i| m.row(i as usize)), os),
     });
 }
 

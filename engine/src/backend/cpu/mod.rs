@@ -216,6 +216,12 @@ pub(crate) type DotQ8Fn = fn(&[u8], &[Q8Block]) -> f32;
 /// row `r` against `acts[t]`, bit for bit what the scalar integer kernel gives for that pair,
 /// whatever the other rows and tokens are.
 pub(crate) type DotQ8x8Fn = fn([&[u8]; 8], &[&[Q8Block]], &mut [[f32; 8]]);
+/// [`DotFn`] of eight rows of one type and length at once, for several tokens: `out[t][r]` is row
+/// `r` against `xs[t]`, the same bits whatever the other rows and tokens are (not the one-row
+/// kernel's: the sums are grouped per block, then across blocks).
+pub(crate) type DotX8Fn = fn([&[u8]; 8], &[&[f32]], &mut [[f32; 8]]);
+/// An eight-row kernel against activations of type `A`, one per token.
+type RowGroupFn<A> = fn([&[u8]; 8], &[A], &mut [[f32; 8]]);
 /// `out += a * w` over one row of `out.len()` values.
 pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
 /// Quantises `x` into `out` (`out.len() == x.len().div_ceil(32)`).
@@ -236,6 +242,9 @@ pub struct Kernels {
     /// Indexed by [`dtype_index`]: the integer kernel over eight rows at once, where the table
     /// has one (used in place of `dot_q8` for every group of rows; see [`Kernels::dot_rows_q8`]).
     dot_q8_x8: [Option<DotQ8x8Fn>; DType::ALL.len()],
+    /// Indexed by [`dtype_index`]: the exact kernel over eight rows at once, where the table has
+    /// one (used in place of `dot` for every group of rows, alone or in a batch).
+    dot_x8: [Option<DotX8Fn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`].
     axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
@@ -258,8 +267,67 @@ fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// `outs[t][k]` = the `k`-th of `rows` against `acts[t]`: eight rows per `dot8` call where there
+/// is one (the last group padded with copies of its last row; each group of rows read once for
+/// all tokens), else `dot` per row and token. Both give the same bits for a pair.
+fn by_rows<'r, A: Copy>(
+    rows: impl Iterator<Item = &'r [u8]>,
+    acts: &[A],
+    outs: &mut [&mut [f32]],
+    dot8: Option<RowGroupFn<A>>,
+    dot: fn(&[u8], A) -> f32,
+) {
+    assert_eq!(acts.len(), outs.len(), "one output per token");
+    let n = outs.first().map_or(0, |o| o.len());
+    assert!(outs.iter().all(|o| o.len() == n), "outputs of one length");
+    let Some(dot8) = dot8 else {
+        for (k, row) in rows.take(n).enumerate() {
+            for (out, &a) in outs.iter_mut().zip(acts) {
+                out[k] = dot(row, a);
+            }
+        }
+        return;
+    };
+    // Each group's rows are gathered (and their bytes prefetched) one group ahead: eight rows
+    // read side by side are eight streams, which the hardware prefetcher follows far worse than
+    // one row read from start to end (SmolLM2 decodes at about half speed without).
+    let mut rows = rows.peekable();
+    let mut take = |len: usize| -> [&[u8]; 8] {
+        let mut group: [&[u8]; 8] = [&[]; 8];
+        for g in 0..8 {
+            group[g] = match rows.next_if(|_| g < len) {
+                Some(row) => {
+                    prefetch(row);
+                    row
+                }
+                None => group[g - 1],
+            };
+        }
+        group
+    };
+    let mut results = [[0f32; 8]; TOKEN_GROUP];
+    let mut next = (n > 0).then(|| take(n.min(8)));
+    for start in (0..n).step_by(8) {
+        let len = (n - start).min(8);
+        let group = next.take().expect("a group per eight outputs");
+        if start + 8 < n {
+            next = Some(take((n - start - 8).min(8)));
+        }
+        for (a, o) in acts.chunks(TOKEN_GROUP).zip(outs.chunks_mut(TOKEN_GROUP)) {
+            let res = &mut results[..a.len()];
+            dot8(group, a, res);
+            for (out, r) in o.iter_mut().zip(res.iter()) {
+                out[start..start + len].copy_from_slice(&r[..len]);
+            }
+        }
+    }
+}
+
 /// A `dot_q8_x8` column for tables without eight-row kernels.
 const NO_ROW_GROUPS: [Option<DotQ8x8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
+
+/// A `dot_x8` column for tables without eight-row exact kernels.
+const NO_EXACT_ROW_GROUPS: [Option<DotX8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
 /// Most tokens [`Kernels::rows_dot_each`] takes at once.
 pub const TOKEN_GROUP: usize = 16;
@@ -391,10 +459,7 @@ impl Kernels {
             Some(b) if self.integer_dot(m.dtype).is_some() => {
                 self.dot_rows_q8(m.dtype, rows, b, out)
             }
-            _ => {
-                let dot = self.dot[dtype_index(m.dtype)];
-                rows.zip(out).for_each(|(row, o)| *o = dot(row, x.x));
-            }
+            _ => self.dot_rows_each(m.dtype, rows, &[x.x], &mut [out]),
         }
     }
 
@@ -420,9 +485,12 @@ impl Kernels {
                 self.dot_rows_q8_each(m.dtype, rows, &acts[..n], outs);
             }
             _ => {
-                for (t, out) in outs.iter_mut().enumerate() {
-                    self.rows_dot(m, first, x.token(t, n), out);
+                let mut xs: [&[f32]; TOKEN_GROUP] = [&[]; TOKEN_GROUP];
+                for (t, xt) in xs.iter_mut().enumerate().take(n) {
+                    *xt = x.token(t, n).x;
                 }
+                let rows = m.rows_in(first..first + len);
+                self.dot_rows_each(m.dtype, rows, &xs[..n], outs);
             }
         }
     }
@@ -440,8 +508,7 @@ impl Kernels {
     }
 
     /// [`Kernels::dot_rows_q8`] for several tokens: `outs[t][k]` is the `k`-th row against
-    /// `acts[t]`. Eight rows per kernel call where the table has an eight-row kernel (the last
-    /// group padded with copies of its last row), each group of rows read once for all tokens.
+    /// `acts[t]`.
     pub(crate) fn dot_rows_q8_each<'r>(
         &self,
         dtype: DType,
@@ -449,52 +516,22 @@ impl Kernels {
         acts: &[&[Q8Block]],
         outs: &mut [&mut [f32]],
     ) {
-        assert_eq!(acts.len(), outs.len(), "one output per token");
-        let n = outs.first().map_or(0, |o| o.len());
-        assert!(outs.iter().all(|o| o.len() == n), "outputs of one length");
         let i = dtype_index(dtype);
-        let Some(dot8) = self.dot_q8_x8[i] else {
-            let dot = self.dot_q8[i].expect("an integer kernel");
-            for (k, row) in rows.take(n).enumerate() {
-                for (out, a) in outs.iter_mut().zip(acts) {
-                    out[k] = dot(row, a);
-                }
-            }
-            return;
-        };
-        // Each group's rows are gathered (and their bytes prefetched) one group ahead: eight rows
-        // read side by side are eight streams, which the hardware prefetcher follows far worse
-        // than one row read from start to end (SmolLM2 decodes at about half speed without).
-        let mut rows = rows.peekable();
-        let mut take = |len: usize| -> [&[u8]; 8] {
-            let mut group: [&[u8]; 8] = [&[]; 8];
-            for g in 0..8 {
-                group[g] = match rows.next_if(|_| g < len) {
-                    Some(row) => {
-                        prefetch(row);
-                        row
-                    }
-                    None => group[g - 1],
-                };
-            }
-            group
-        };
-        let mut results = [[0f32; 8]; TOKEN_GROUP];
-        let mut next = (n > 0).then(|| take(n.min(8)));
-        for start in (0..n).step_by(8) {
-            let len = (n - start).min(8);
-            let group = next.take().expect("a group per eight outputs");
-            if start + 8 < n {
-                next = Some(take((n - start - 8).min(8)));
-            }
-            for (a, o) in acts.chunks(TOKEN_GROUP).zip(outs.chunks_mut(TOKEN_GROUP)) {
-                let res = &mut results[..a.len()];
-                dot8(group, a, res);
-                for (out, r) in o.iter_mut().zip(res.iter()) {
-                    out[start..start + len].copy_from_slice(&r[..len]);
-                }
-            }
-        }
+        let dot = self.dot_q8[i].expect("an integer kernel");
+        by_rows(rows, acts, outs, self.dot_q8_x8[i], dot);
+    }
+
+    /// The exact `outs[t][k] = dot(k-th of rows, xs[t])` for several tokens.
+    pub(crate) fn dot_rows_each<'r>(
+        &self,
+        dtype: DType,
+        rows: impl Iterator<Item = &'r [u8]>,
+        xs: &[&[f32]],
+        outs: &mut [&mut [f32]],
+    ) {
+        let i = dtype_index(dtype);
+        let dot8 = self.dot_x8[i].map(|f| f as RowGroupFn<&[f32]>);
+        by_rows(rows, xs, outs, dot8, self.dot[i]);
     }
 
     /// Several mat-vecs over the same prepared input in one parallel region of the rayon pool:

@@ -98,6 +98,7 @@ static NEON: Kernels = Kernels {
     ],
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
+    dot_x8: super::NO_EXACT_ROW_GROUPS,
     quantize: table::quantize,
 };
 
@@ -121,6 +122,7 @@ static NEON_DOTPROD: Kernels = Kernels {
     ],
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
+    dot_x8: super::NO_EXACT_ROW_GROUPS,
     quantize: table::quantize,
 };
 

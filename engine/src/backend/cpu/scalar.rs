@@ -43,6 +43,7 @@ pub(super) static KERNELS: Kernels = Kernels {
         Some(k::q6_k_q8),
     ],
     dot_q8_x8: super::NO_ROW_GROUPS,
+    dot_x8: super::NO_EXACT_ROW_GROUPS,
     axpy: [
         axpy_f32,
         axpy_f16,

@@ -809,3 +809,52 @@ fn row_groups_equal_the_scalar_kernel_bit_for_bit() {
         }
     }
 }
+
+/// In both precisions a batch gives each token exactly what [`Kernels::rows_dot`] gives it alone
+/// (the eight-row kernels' sums do not depend on the other rows or tokens of a call), and the
+/// exact eight-row kernels stay within the exact path's tolerance of the oracle.
+#[test]
+fn a_batch_gives_each_token_its_own_results() {
+    let mut rng = Rng(29);
+    for k in tables() {
+        for dtype in DTYPES {
+            for (rows, blocks) in [(3, 1), (21, 6)] {
+                let cols = width(dtype, 32 * blocks);
+                let m = matrix(&mut rng, dtype, rows, cols, false);
+                for precision in [Precision::Exact, Precision::Fast] {
+                    let n_tokens = 5;
+                    let x = rng.vec(n_tokens * cols, 1.0);
+                    let mut scratch = QuantizedActs::new(x.len());
+                    let batch = k.prepare(&x, precision, &mut scratch);
+                    let mut got = vec![vec![f32::NAN; rows]; n_tokens];
+                    let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| &mut o[..]).collect();
+                    k.rows_dot_each(&m, 0, batch, &mut outs);
+                    for (t, got) in got.iter().enumerate() {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let mut alone = QuantizedActs::new(cols);
+                        let mut want = vec![f32::NAN; rows];
+                        k.rows_dot(&m, 0, k.prepare(xt, precision, &mut alone), &mut want);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(got),
+                            bits(&want),
+                            "{} {dtype} {precision:?} token {t}",
+                            k.name()
+                        );
+                        if precision == Precision::Exact {
+                            for (r, &g) in got.iter().enumerate() {
+                                let what = format!("{} {dtype} exact row {r}", k.name());
+                                check(
+                                    &what,
+                                    g,
+                                    oracle(dtype, m.row(r), xt),
+                                    tolerance(dtype, precision),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{ld_32, ld_q, nibbles, q5_bytes};
+use super::{hsum, ld_8, ld_32, ld_ps, ld_q, nibbles, q5_bytes};
 use crate::backend::cpu::Q8Block;
 
 /// Eight rows of the same type and length, each exactly its bytes.
@@ -314,6 +314,73 @@ row_kernels!(
         q5_1_q8_x8_vnni
     ]
 );
+
+// ---- exact (f32 activation) kernels ------------------------------------------------------------
+
+/// Lane `r` of the result is the sum of the eight lanes of `v[r]` (the f32 [`sum_lanes`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn sum_lanes_ps(v: [__m256; 8]) -> __m256 {
+    let ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    let cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(ab, cd),
+        _mm256_permute2f128_ps::<0x31>(ab, cd),
+    )
+}
+
+/// Exact Q4_1 over eight rows and up to [`TOKENS`] tokens at a time: per block, each row's 32
+/// nibbles are widened to f32 once, multiplied with each token's 32 activations into eight
+/// partial sums, the eight rows' sums gathered into one vector (lane `r` for row `r`), and then
+/// `total += d·Σq·x + m·Σx` with the rows' `d` and `m` as vectors. The same bits for a row
+/// whatever else is in the call.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q4_1_x8(rows: Rows8<'_>, xs: &[&[f32]], out: &mut [[f32; 8]]) {
+    assert_eq!(xs.len(), out.len(), "one output per token");
+    let len = rows[0].len();
+    assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
+    let n = len / 20;
+    assert!(
+        xs.iter().all(|x| x.len() >= n * 32),
+        "activations for {n} blocks"
+    );
+    let mask = _mm256_set1_epi32(0x0f);
+    for (xs, out) in xs.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
+        let mut total = [_mm256_setzero_ps(); TOKENS];
+        for i in 0..n {
+            let at = i * 20;
+            // Byte `j < 16` holds element `j` (low nibble) and `j + 16` (high): eight bytes
+            // zero-extended to i32 give eight elements by a mask and eight more by a shift.
+            let w = rows.map(|r| {
+                let v0 = _mm256_cvtepu8_epi32(ld_8(r, at + 4));
+                let v1 = _mm256_cvtepu8_epi32(ld_8(r, at + 12));
+                [
+                    _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)),
+                    _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)),
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
+                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
+                ]
+            });
+            let (d, m) = f16_pairs(words(&rows, at));
+            for (x, total) in xs.iter().zip(&mut total) {
+                let xb = &x[i * 32..i * 32 + 32];
+                let xv = [ld_ps(xb, 0), ld_ps(xb, 8), ld_ps(xb, 16), ld_ps(xb, 24)];
+                let qx = sum_lanes_ps(w.map(|q| {
+                    let s = _mm256_mul_ps(q[0], xv[0]);
+                    let s = _mm256_fmadd_ps(q[1], xv[1], s);
+                    let s = _mm256_fmadd_ps(q[2], xv[2], s);
+                    _mm256_fmadd_ps(q[3], xv[3], s)
+                }));
+                let sx = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
+                let sx = _mm256_set1_ps(hsum(sx));
+                *total = _mm256_fmadd_ps(d, qx, _mm256_fmadd_ps(m, sx, *total));
+            }
+        }
+        for (o, t) in out.iter_mut().zip(total) {
+            *o = lanes(t);
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
