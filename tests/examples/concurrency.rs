@@ -13,7 +13,9 @@
 //! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json] [exact|fast]`
 //! (the second argument is the daemon's `[engine] precision`, exact by default)
 //! (the test profile: the harness builds the daemon with it and looks for it next to this binary;
-//! `LEANSTREAMD_BIN` runs another daemon binary, e.g. an older build, against the same clients).
+//! `LEANSTREAMD_BIN` runs another daemon binary against the same clients: the release build for
+//! the product's numbers, as the test profile's debug assertions make a token ~2.5× slower, or
+//! an older build).
 
 use std::time::{Duration, Instant};
 
