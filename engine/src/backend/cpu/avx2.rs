@@ -499,30 +499,33 @@ fn dot_q4_0(row: &[u8], x: &[f32]) -> f32 {
     hsum(total)
 }
 
-/// Eight bytes at `b[at..]` zero-extended to i32 lanes (one `vpmovzxbd` from memory).
+/// The 32 values of the Q4_1 block at `b[at..]` as f32, elements 0-7, 8-15, 16-23 and 24-31.
+/// The nibbles are widened straight from memory: byte `j` (`j < 16`) of the quants holds element
+/// `j` in its low and element `j + 16` in its high nibble, so eight bytes zero-extended to i32
+/// give eight elements by a mask and eight more by a shift, with no shuffles.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn u8x8_epi32(b: &[u8], at: usize) -> __m256i {
-    _mm256_cvtepu8_epi32(ld_8(b, at))
+fn q4_1_ps(b: &[u8], at: usize) -> [__m256; 4] {
+    let v0 = _mm256_cvtepu8_epi32(ld_8(b, at + 4));
+    let v1 = _mm256_cvtepu8_epi32(ld_8(b, at + 12));
+    let mask = _mm256_set1_epi32(0x0f);
+    [
+        _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)),
+        _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
+        _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
+    ]
 }
 
-/// Q4_1: `d·Σq·x + m·Σx` per block. The nibbles are widened straight from memory: byte `j`
-/// (`j < 16`) holds element `j` in its low and element `j + 16` in its high nibble, so eight bytes
-/// zero-extended to i32 give eight elements by a mask and eight more by a shift, with no shuffles.
+/// Q4_1: `d·Σq·x + m·Σx` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_q4_1(row: &[u8], x: &[f32]) -> f32 {
     let (blocks, _) = row.as_chunks::<20>();
     let (xs, _) = x.as_chunks::<QK>();
-    let mask = _mm256_set1_epi32(0x0f);
     let mut tq = _mm256_setzero_ps();
     let mut tx = _mm256_setzero_ps();
     for (b, xb) in blocks.iter().zip(xs) {
-        let v0 = u8x8_epi32(b, 4);
-        let v1 = u8x8_epi32(b, 12);
-        let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
-        let q1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
-        let q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0));
-        let q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1));
+        let [q0, q1, q2, q3] = q4_1_ps(b, 0);
         let (x0, x1, x2, x3) = (ld_ps(xb, 0), ld_ps(xb, 8), ld_ps(xb, 16), ld_ps(xb, 24));
         let s01 = _mm256_fmadd_ps(q0, x0, _mm256_mul_ps(q1, x1));
         let s23 = _mm256_fmadd_ps(q2, x2, _mm256_mul_ps(q3, x3));

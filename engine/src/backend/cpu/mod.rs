@@ -240,7 +240,7 @@ pub struct Kernels {
     /// `None` for the float types, which take the exact `dot` in either precision.
     dot_q8: [Option<DotQ8Fn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`]: the integer kernel over eight rows at once, where the table
-    /// has one (used in place of `dot_q8` for every group of rows; see [`Kernels::dot_rows_q8`]).
+    /// has one (used in place of `dot_q8` for every group of rows; see [`Kernels::dot_rows_q8_each`]).
     dot_q8_x8: [Option<DotQ8x8Fn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`]: the exact kernel over eight rows at once, where the table has
     /// one (used in place of `dot` for every group of rows, alone or in a batch).
@@ -457,7 +457,7 @@ impl Kernels {
         let rows = m.rows_in(first..first + out.len());
         match x.blocks {
             Some(b) if self.integer_dot(m.dtype).is_some() => {
-                self.dot_rows_q8(m.dtype, rows, b, out)
+                self.dot_rows_q8_each(m.dtype, rows, &[b], &mut [out])
             }
             _ => self.dot_rows_each(m.dtype, rows, &[x.x], &mut [out]),
         }
@@ -495,20 +495,8 @@ impl Kernels {
         }
     }
 
-    /// `out[k]` = the integer dot product of the `k`-th of `rows` (each exactly one row's bytes of
-    /// `dtype`, which has an integer kernel) with `acts`.
-    pub(crate) fn dot_rows_q8<'r>(
-        &self,
-        dtype: DType,
-        rows: impl Iterator<Item = &'r [u8]>,
-        acts: &[Q8Block],
-        out: &mut [f32],
-    ) {
-        self.dot_rows_q8_each(dtype, rows, &[acts], &mut [out]);
-    }
-
-    /// [`Kernels::dot_rows_q8`] for several tokens: `outs[t][k]` is the `k`-th row against
-    /// `acts[t]`.
+    /// `outs[t][k]` = the integer dot product of the `k`-th of `rows` (each exactly one row's bytes
+    /// of `dtype`, which has an integer kernel) with `acts[t]`.
     pub(crate) fn dot_rows_q8_each<'r>(
         &self,
         dtype: DType,

@@ -15,21 +15,21 @@
 
 use std::arch::x86_64::*;
 
-use super::{hsum, ld_8, ld_32, ld_ps, ld_q, nibbles, q5_bytes};
+use super::{hsum, ld_32, ld_ps, ld_q, nibbles, q4_1_ps, q5_bytes};
 use crate::backend::cpu::Q8Block;
 
 /// Eight rows of the same type and length, each exactly its bytes.
 pub(in crate::backend::cpu) type Rows8<'a> = [&'a [u8]; 8];
 
-/// Number of whole blocks in the rows (checked to be of one length), and that every token's
-/// activations cover them.
+/// Number of whole blocks of `block_bytes` in the rows (checked to be of one length), and that
+/// every token's activations cover them at `per_block` activations a block.
 #[inline]
-fn blocks_of(rows: &Rows8<'_>, block_bytes: usize, acts: &[&[Q8Block]]) -> usize {
+fn blocks_of<A>(rows: &Rows8<'_>, block_bytes: usize, acts: &[&[A]], per_block: usize) -> usize {
     let len = rows[0].len();
     assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
     let n = len / block_bytes;
     assert!(
-        acts.iter().all(|a| a.len() >= n),
+        acts.iter().all(|a| a.len() >= n * per_block),
         "activations for {n} blocks"
     );
     n
@@ -127,7 +127,7 @@ fn tile(
         acts.len() <= TOKENS && acts.len() == out.len(),
         "tokens vs outputs"
     );
-    let n = blocks_of(rows, block_bytes, acts);
+    let n = blocks_of(rows, block_bytes, acts, 1);
     let mut total = [_mm256_setzero_ps(); TOKENS];
     for i in 0..n {
         let at = i * block_bytes;
@@ -337,30 +337,12 @@ fn sum_lanes_ps(v: [__m256; 8]) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q4_1_x8(rows: Rows8<'_>, xs: &[&[f32]], out: &mut [[f32; 8]]) {
     assert_eq!(xs.len(), out.len(), "one output per token");
-    let len = rows[0].len();
-    assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
-    let n = len / 20;
-    assert!(
-        xs.iter().all(|x| x.len() >= n * 32),
-        "activations for {n} blocks"
-    );
-    let mask = _mm256_set1_epi32(0x0f);
+    let n = blocks_of(&rows, 20, xs, 32);
     for (xs, out) in xs.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
         let mut total = [_mm256_setzero_ps(); TOKENS];
         for i in 0..n {
             let at = i * 20;
-            // Byte `j < 16` holds element `j` (low nibble) and `j + 16` (high): eight bytes
-            // zero-extended to i32 give eight elements by a mask and eight more by a shift.
-            let w = rows.map(|r| {
-                let v0 = _mm256_cvtepu8_epi32(ld_8(r, at + 4));
-                let v1 = _mm256_cvtepu8_epi32(ld_8(r, at + 12));
-                [
-                    _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask)),
-                    _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask)),
-                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0)),
-                    _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1)),
-                ]
-            });
+            let w = rows.map(|r| q4_1_ps(r, at));
             let (d, m) = f16_pairs(words(&rows, at));
             for (x, total) in xs.iter().zip(&mut total) {
                 let xb = &x[i * 32..i * 32 + 32];
