@@ -346,6 +346,10 @@ pub struct StreamStats {
     /// the weights advancing several conversations); 0 when it ran alone.
     #[serde(default)]
     pub shared_decode_passes: usize,
+    /// Pieces of this generation's prompt that ran in one pass with other sessions' steps
+    /// (their prompts or decode steps); 0 when its prompt ran alone.
+    #[serde(default)]
+    pub shared_prompt_passes: usize,
     /// Prompt tokens whose keys and values were already in memory (the session's previous turn,
     /// or a prompt prefix shared with another session on the model) and were not computed.
     #[serde(default)]

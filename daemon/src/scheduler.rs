@@ -10,11 +10,13 @@
 //!    pass, and a round ends early when a more urgent generation arrives).
 //! 2. **Within a class, turns.** Every generation of the class takes one step per round, the
 //!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
-//!    [`MAX_BATCH`] tokens through a dense model's batched pass, one token through a sparse
+//!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through a dense model's batched pass, one token through a sparse
 //!    pipeline) or the forward pass of the token it emitted last. A long prompt therefore
 //!    cannot stall the others: it goes in pieces, interleaved with their decode steps.
-//! 3. **One pass for many.** The decode passes due in a round run together where they can: the
-//!    CPU sessions of one dense model share one pass over its weights ([`decode`]).
+//! 3. **One pass for many.** The steps of a round run together where they can: the CPU sessions
+//!    of one dense model share one pass over its weights, decode steps and prompt pieces alike,
+//!    up to `MAX_BATCH` tokens a pass ([`passes`]). Eight clients that send their prompts at
+//!    once thus get their first tokens from one or two passes, not eight.
 //! 4. **Tokens out at once.** A sampled token is written to its pipe before any other forward
 //!    pass starts.
 //!
@@ -33,7 +35,7 @@
 //! scheduler skips it until the pipe drains), never the others. A write error (EPIPE: the reader
 //! closed its end) cancels that generation quietly.
 
-mod decode;
+mod passes;
 mod pipe;
 mod prefix;
 mod run;
@@ -49,14 +51,12 @@ use std::time::{Duration, Instant};
 use leanstream::contract::{LeanStreamError, Priority};
 use leanstream_engine::chat::ChatMessage;
 use leanstream_engine::constrain::GrammarKind;
-use leanstream_engine::forward::MAX_BATCH;
-use leanstream_engine::generate::{Decode, Next, Stepper, StopRules};
+use leanstream_engine::generate::{Decode, Stepper, StopRules};
 use leanstream_engine::sample::SamplerConfig;
 
 pub use crate::loader::LoadedModel;
 use crate::memory::SessionId;
-use decode::forward;
-use run::{Failure, Room, Run};
+use run::Run;
 
 /// What to generate from.
 #[derive(Debug)]
@@ -206,8 +206,10 @@ impl Worker {
                     Err(_) => return self.shutdown(),
                 }
             };
+            // Every command waiting is taken before the round, so that requests which arrived
+            // together start in the same passes.
             if let Some(cmd) = first
-                && self.handle(cmd)
+                && (self.handle(cmd) || self.take_commands())
             {
                 return self.shutdown();
             }
@@ -263,24 +265,14 @@ impl Worker {
             .collect();
         // Earliest deadline first; those without one after, in session order.
         turn.sort_by_key(|&(deadline, id)| (deadline.is_none(), deadline, id));
-        let mut due = Vec::new();
-        for (_, id) in turn {
-            if self.step(id) {
-                due.push(id);
-            } else if self.take_commands() {
-                return true;
-            }
-            if self.most_urgent() > Some(class) {
-                return false; // pre-empted: the next round serves the newcomer
-            }
-        }
-        for batch in self.batches(due, class) {
-            self.decode(&batch);
+        let steps = turn.iter().filter_map(|&(_, id)| self.wanted(id)).collect();
+        for pass in self.batches(steps, class) {
+            self.run_pass(&pass);
             if self.take_commands() {
                 return true;
             }
             if self.most_urgent() > Some(class) {
-                return false;
+                return false; // pre-empted: the next round serves the newcomer
             }
         }
         false
@@ -424,42 +416,6 @@ impl Worker {
         Ok(())
     }
 
-    /// Takes generation `id`'s step if it is a piece of its prompt. True when instead the
-    /// forward pass of the token it emitted last is due ([`Worker::decode`] runs those).
-    fn step(&mut self, id: SessionId) -> bool {
-        let Some(s) = self.sessions.get_mut(&id) else {
-            return false;
-        };
-        let Some(r) = s.run.as_mut() else {
-            return false;
-        };
-        let Next::Prefill(rest) = r.stepper.next() else {
-            return matches!(r.stepper.next(), Next::Forward(_));
-        };
-        let room = Room {
-            id,
-            budget: self.budget.as_ref(),
-        };
-        let model = s.model.as_ref();
-        // A dense model takes up to MAX_BATCH tokens in one batched pass, the same pieces as the
-        // engine's own split of a long prompt (so the same logits); a sparse pipeline one token.
-        let n = rest
-            .len()
-            .min(if model.ffn.is_some() { 1 } else { MAX_BATCH });
-        let result = match prefill(model, s.session.as_mut(), &rest[..n], &room) {
-            Ok(logits) => {
-                s.seen.extend_from_slice(&rest[..n]);
-                r.prefilled(n, logits, &model.model.tokenizer)
-            }
-            Err(f) => Err(f),
-        };
-        if let Err(f) = result {
-            r.fail(id, f);
-        }
-        self.settle(id);
-        false
-    }
-
     /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
     /// is gone).
     fn settle(&mut self, id: SessionId) {
@@ -512,21 +468,4 @@ fn entry(
     sessions
         .get_mut(&id)
         .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))
-}
-
-/// Runs `piece` of a prompt: through the sparse pipeline (one token), or a dense model's batched
-/// pass after reserving the KV room for all of it. Returns the last token's logits.
-fn prefill<'s>(
-    model: &LoadedModel,
-    session: &'s mut dyn Decode,
-    piece: &[u32],
-    room: &Room<'_>,
-) -> Result<&'s mut [f32], Failure> {
-    match (&model.ffn, piece) {
-        (Some(_), &[token]) => forward(model, session, token, room),
-        _ => {
-            room.grow(session, piece.len())?;
-            Ok(session.forward_batch(piece)?)
-        }
-    }
 }

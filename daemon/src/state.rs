@@ -479,12 +479,18 @@ impl<M: Memory> State<M> {
                 let _ = reply.send(self.reserve(&name, footprint));
             }
             Request::ResizeSession { id, bytes, reply } => {
-                let r = match self.memory.resize_session(id, bytes) {
-                    Ok(()) => {
-                        self.apply_cache_grants();
-                        Ok(())
+                // The scheduler may ask for a session this owner has just closed (its client
+                // vanished); the Close command is on its way to it, so the answer is a refusal.
+                let r = if !self.sessions.contains_key(&id) {
+                    Err(LeanStreamError::Internal(format!("session {id} is closed")))
+                } else {
+                    match self.memory.resize_session(id, bytes) {
+                        Ok(()) => {
+                            self.apply_cache_grants();
+                            Ok(())
+                        }
+                        Err(e) => Err(LeanStreamError::OverBudget(e.to_string())),
                     }
-                    Err(e) => Err(LeanStreamError::OverBudget(e.to_string())),
                 };
                 let _ = reply.send(r);
             }

@@ -42,7 +42,7 @@ fn main() -> leanstream_engine::Result<()> {
         for s in &mut sessions {
             s.forward_batch(&[1, 2, 3, 4, 5, 6, 7, 8])?;
         }
-        let tokens = vec![42; n];
+        let tokens: Vec<&[u32]> = vec![&[42]; n];
         let start = Instant::now();
         for _ in 0..STEPS {
             let mut all: Vec<&mut Session> = sessions.iter_mut().collect();

@@ -331,18 +331,22 @@ impl Session {
     }
 }
 
-/// Runs `tokens[i]` at the next position of `sessions[i]`, for every session at once: one pass
-/// over the weights for all of them (each weight row dotted with every session's activations,
-/// the output head included), attention over each session's own KV cache. Each session's logits
-/// ([`Session::logits`]) are the same, bit for bit, as [`Session::forward`] on it alone.
+/// Runs `pieces[i]` at the next positions of `sessions[i]`, for every session at once: one pass
+/// over the weights for all their tokens (each weight row dotted with every token's
+/// activations, the output head included), attention over each session's own KV cache. A piece
+/// is one token (a decode step) or a run of prompt tokens; each session's logits
+/// ([`Session::logits`]) are then those of its piece's last token, the same bit for bit as
+/// [`Session::forward_batch`] of the piece on it alone.
 ///
-/// What a scheduler runs to advance several conversations of one model by a token each. The
-/// first session's workspace holds the batch.
+/// What a scheduler runs to advance several conversations of one model at once: their decode
+/// steps and pieces of their prompts in the same pass. The first session's workspace holds the
+/// batch.
 ///
-/// Errors, before any work, unless there are as many tokens as sessions, at most [`MAX_BATCH`],
-/// all sessions share one model (the same `Arc`) and precision, and each token fits in its
-/// session's context; a session whose KV cache cannot grow errors with nothing run.
-pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()> {
+/// Errors, before any work, unless there is one non-empty piece per session, at most
+/// [`MAX_BATCH`] tokens in all, all sessions share one model (the same `Arc`) and precision, and
+/// each piece fits in its session's context; a session whose KV cache cannot grow errors with
+/// nothing run.
+pub fn forward_each(sessions: &mut [&mut Session], pieces: &[&[u32]]) -> Result<()> {
     let invalid = |reason: String| Error::InvalidArgument {
         arg: "sessions",
         reason,
@@ -350,10 +354,11 @@ pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()>
     let Some(first) = sessions.first() else {
         return Err(invalid("no session to run".into()));
     };
-    if tokens.len() != sessions.len() || tokens.len() > MAX_BATCH {
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    if pieces.len() != sessions.len() || total > MAX_BATCH {
         return Err(invalid(format!(
-            "{} tokens for {} sessions (at most {MAX_BATCH})",
-            tokens.len(),
+            "{} pieces of {total} tokens for {} sessions (at most {MAX_BATCH} tokens)",
+            pieces.len(),
             sessions.len()
         )));
     }
@@ -366,16 +371,17 @@ pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()>
             "a batch of sessions must share one model and precision".into(),
         ));
     }
-    for (s, &token) in sessions.iter().zip(tokens) {
-        s.check_tokens(&[token])?;
+    for (s, piece) in sessions.iter().zip(pieces) {
+        s.check_tokens(piece)?;
     }
-    for s in sessions.iter_mut() {
-        s.grow_kv(1)?;
+    for (s, piece) in sessions.iter_mut().zip(pieces) {
+        s.grow_kv(piece.len())?;
     }
     let mut work = None;
     let mut seats = Vec::with_capacity(sessions.len());
-    let mut rows = Vec::with_capacity(sessions.len());
-    for (i, s) in sessions.iter_mut().enumerate() {
+    let mut rows = Vec::with_capacity(total);
+    let mut last_rows = Vec::with_capacity(sessions.len());
+    for (i, (s, piece)) in sessions.iter_mut().zip(pieces).enumerate() {
         let Scratch {
             work: w,
             scores,
@@ -387,10 +393,8 @@ pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()>
             scores,
             logits,
         });
-        rows.push(Row {
-            seat: i,
-            pos: s.pos,
-        });
+        rows.extend((s.pos..s.pos + piece.len()).map(|pos| Row { seat: i, pos }));
+        last_rows.push(rows.len() - 1);
     }
     let mut pass = Pass {
         model: &model,
@@ -400,14 +404,14 @@ pub fn forward_each(sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()>
         seats,
         rows,
     };
+    let tokens = pieces.concat();
     cpu::on_pool(|| {
-        pass.embed(tokens)?;
+        pass.embed(&tokens)?;
         pass.layers()?;
-        let all: Vec<usize> = (0..tokens.len()).collect();
-        pass.head(&all)
+        pass.head(&last_rows)
     })?;
-    for s in sessions.iter_mut() {
-        s.pos += 1;
+    for (s, piece) in sessions.iter_mut().zip(pieces) {
+        s.pos += piece.len();
     }
     Ok(())
 }

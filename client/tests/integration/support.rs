@@ -329,6 +329,7 @@ fn token_events(text: &str, params: &GenerateParams) -> Vec<StreamEvent> {
             prefill_tokens_per_s: 400.0,
             decode_tokens_per_s: 100.0,
             shared_decode_passes: 0,
+            shared_prompt_passes: 0,
             ..StreamStats::default()
         },
     });

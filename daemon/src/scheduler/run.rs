@@ -30,8 +30,10 @@ pub struct Run {
     first_token_at: Option<Instant>,
     /// Tokens of the whole prompt, those already in the KV cache included.
     prompt_tokens: usize,
-    /// Decode passes run together with other sessions'.
-    pub shared_passes: usize,
+    /// Decode passes run together with other sessions' steps.
+    pub shared_decode_passes: usize,
+    /// Prompt pieces run together with other sessions' steps.
+    pub shared_prompt_passes: usize,
 }
 
 /// Why a step failed: the budget refused the KV cache's growth, or the engine failed.
@@ -67,7 +69,8 @@ impl Run {
             end_by: spec.within.map(|d| received + d),
             first_token_at: None,
             prompt_tokens,
-            shared_passes: 0,
+            shared_decode_passes: 0,
+            shared_prompt_passes: 0,
         }
     }
 
@@ -174,7 +177,8 @@ impl Run {
             time_to_first_token_s: st.prefill.as_secs_f64(),
             prefill_tokens_per_s: st.prefill_tokens_per_s(),
             decode_tokens_per_s: st.decode_tokens_per_s(),
-            shared_decode_passes: self.shared_passes,
+            shared_decode_passes: self.shared_decode_passes,
+            shared_prompt_passes: self.shared_prompt_passes,
             cached_prompt_tokens: self.prompt_tokens - st.prompt_tokens,
             priority: self.priority.name().to_string(),
             missed_deadlines,

@@ -363,7 +363,7 @@ fn done_stats(events: &[StreamEvent]) -> &StreamStats {
 }
 
 #[test]
-fn sessions_decoding_together_share_passes_and_keep_their_tokens() {
+fn sessions_running_together_share_passes_and_keep_their_tokens() {
     let fx = Fixture::new();
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
@@ -374,7 +374,7 @@ fn sessions_decoding_together_share_passes_and_keep_their_tokens() {
         .collect();
     let runs: Vec<(&Arc<LoadedModel>, &str)> = prompts.iter().map(|p| (&model, *p)).collect();
     let together = generate(&runs);
-    let mut shared = 0;
+    let (mut shared, mut shared_prompts) = (0, 0);
     for (i, events) in together.iter().enumerate() {
         assert_eq!(
             ids(events),
@@ -382,12 +382,23 @@ fn sessions_decoding_together_share_passes_and_keep_their_tokens() {
             "session {i}'s tokens beside the others"
         );
         shared += done_stats(events).shared_decode_passes;
+        shared_prompts += done_stats(events).shared_prompt_passes;
     }
     for events in generate(&runs[..1]) {
-        assert_eq!(done_stats(&events).shared_decode_passes, 0, "alone");
+        let stats = done_stats(&events);
+        assert_eq!(
+            (stats.shared_decode_passes, stats.shared_prompt_passes),
+            (0, 0),
+            "alone"
+        );
     }
-    // All three start within one round of each other: most of their passes are shared.
+    // All three start within one round of each other: most of their passes are shared, their
+    // prompts' included.
     assert!(shared >= TOKENS, "shared passes: {shared}");
+    assert!(
+        shared_prompts >= 2,
+        "shared prompt passes: {shared_prompts}"
+    );
 }
 
 #[test]

@@ -191,7 +191,7 @@ mod tests {
         // Every step writes one position of block 1 in both, which they share at first.
         for step in 0..6u32 {
             let t = [10 + step, 90 + step];
-            super::super::forward_each(&mut [&mut a, &mut b], &t).unwrap();
+            super::super::forward_each(&mut [&mut a, &mut b], &[&t[..1], &t[1..]]).unwrap();
             assert_eq!(a.logits(), a_alone.forward(t[0]).unwrap(), "a, step {step}");
             assert_eq!(b.logits(), b_alone.forward(t[1]).unwrap(), "b, step {step}");
         }

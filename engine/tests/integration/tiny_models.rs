@@ -277,9 +277,10 @@ fn batched_prefill_equals_token_by_token_for_every_architecture() {
 
 /// Several conversations advanced by one pass of `forward_each` get the logits each would get
 /// alone, bit for bit: every flavour, both precisions, sessions at different positions (one past
-/// the sliding window) with different KV types.
+/// the sliding window) with different KV types, their prompts run together in pieces of
+/// different lengths, then decode steps side by side with a prompt piece.
 #[test]
-fn sessions_decoded_together_match_each_decoded_alone() {
+fn sessions_run_together_match_each_run_alone() {
     let dir = tempfile::tempdir().expect("tempdir");
     let prompts: [&[u32]; 3] = [&TOKENS, &TOKENS[..3], &[5]];
     let kv = [KvType::F32, KvType::F16, KvType::F32];
@@ -293,17 +294,25 @@ fn sessions_decoded_together_match_each_decoded_alone() {
             let open = |kv| Session::new(model.clone(), 64, precision, kv).expect("session");
             let mut alone: Vec<Session> = kv.iter().map(|&k| open(k)).collect();
             let mut together: Vec<Session> = kv.iter().map(|&k| open(k)).collect();
-            for (s, p) in alone
-                .iter_mut()
-                .chain(together.iter_mut())
-                .zip(prompts.iter().cycle())
-            {
+            let mut third = open(KvType::F16);
+            let mut third_alone = open(KvType::F16);
+            for (s, p) in alone.iter_mut().zip(prompts) {
                 s.forward_batch(p).expect("prompt");
+            }
+            let mut batch: Vec<&mut Session> = together.iter_mut().collect();
+            forward_each(&mut batch, &prompts).expect("prompts together");
+            for (i, s) in alone.iter_mut().enumerate() {
+                assert_eq!(s.logits(), together[i].logits(), "{arch:?}: prompt {i}");
             }
             for step in 0..6u32 {
                 let tokens: Vec<u32> = (0..3).map(|i| 10 + 7 * step + i).collect();
+                // A fourth conversation's prompt goes in two-token pieces beside the steps.
+                let piece = &TOKENS[2 * step as usize..2 * step as usize + 2];
+                let mut pieces: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+                pieces.push(piece);
                 let mut batch: Vec<&mut Session> = together.iter_mut().collect();
-                forward_each(&mut batch, &tokens).expect("forward_each");
+                batch.push(&mut third);
+                forward_each(&mut batch, &pieces).expect("forward_each");
                 for (i, s) in alone.iter_mut().enumerate() {
                     let want = s.forward(tokens[i]).expect("forward").to_vec();
                     assert_eq!(
@@ -313,6 +322,8 @@ fn sessions_decoded_together_match_each_decoded_alone() {
                     );
                     assert_eq!(s.position(), together[i].position());
                 }
+                let want = third_alone.forward_batch(piece).expect("piece").to_vec();
+                assert_eq!(want, third.logits(), "{arch:?} {precision:?}: piece {step}");
             }
         }
     }
@@ -334,17 +345,27 @@ fn forward_each_rejects_mismatched_batches_before_any_work() {
         Session::new(m.clone(), 64, p, KvType::F32).expect("session")
     };
     let (mut s1, mut s2) = (open(&a, Precision::Exact), open(&a, Precision::Exact));
-    let err = forward_each(&mut [&mut s1, &mut s2], &[1]).expect_err("one token for two");
-    assert!(err.to_string().contains("1 tokens for 2 sessions"), "{err}");
+    let err = forward_each(&mut [&mut s1, &mut s2], &[&[1]]).expect_err("one piece for two");
+    assert!(
+        err.to_string()
+            .contains("1 pieces of 1 tokens for 2 sessions"),
+        "{err}"
+    );
+    let long = [1u32; 20];
+    let err = forward_each(&mut [&mut s1, &mut s2], &[&long, &long]).expect_err("40 tokens");
+    assert!(err.to_string().contains("at most 32 tokens"), "{err}");
+    let err = forward_each(&mut [&mut s1, &mut s2], &[&[1], &[]]).expect_err("empty piece");
+    assert!(err.to_string().contains("is empty"), "{err}");
     let mut other_model = open(&b, Precision::Exact);
-    let err = forward_each(&mut [&mut s1, &mut other_model], &[1, 2]).expect_err("two models");
+    let err =
+        forward_each(&mut [&mut s1, &mut other_model], &[&[1], &[2]]).expect_err("two models");
     assert!(err.to_string().contains("one model"), "{err}");
     let mut fast = open(&a, Precision::Fast);
     assert!(
-        forward_each(&mut [&mut s1, &mut fast], &[1, 2]).is_err(),
+        forward_each(&mut [&mut s1, &mut fast], &[&[1], &[2]]).is_err(),
         "two precisions"
     );
-    let err = forward_each(&mut [&mut s1, &mut s2], &[1, 1 << 30]).expect_err("bad id");
+    let err = forward_each(&mut [&mut s1, &mut s2], &[&[1], &[1 << 30]]).expect_err("bad id");
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     assert_eq!((s1.position(), s2.position()), (0, 0), "nothing ran");
     assert!(forward_each(&mut [], &[]).is_err());
