@@ -5,6 +5,8 @@
 //! super-blocks): 576 rows (its down projection: the weights stay in cache, so this is the
 //! kernels' compute speed) and 32768 rows (an output head: tens of MB read from memory, so this
 //! is the speed against the bandwidth bound; compare with `target/release/examples/membw`).
+//! `matmat16/...` runs a batch of 16 tokens through the best table (counted as 16 reads of the
+//! weights, so its GB/s compare with the one-token figures).
 //! Run: `cargo bench -p leanstream-engine --bench kernels` (add `-- --quick` for a short pass, or
 //! a filter such as `-- q4_k` for one type).
 
@@ -63,12 +65,39 @@ fn matvec(c: &mut Criterion) {
     }
 }
 
+/// A batch of [`TOKENS`] tokens through each matrix (a prefill step): every group of rows is read
+/// once for all tokens. Only the best table; 576 rows of 1536 values, as above.
+fn matmat(c: &mut Criterion) {
+    const TOKENS: usize = 16;
+    let (rows, cols) = (576, 1536);
+    let x = values(TOKENS * cols, 5);
+    let mut scratch = QuantizedActs::new(x.len());
+    let k = Kernels::best();
+    for dtype in DType::ALL {
+        let m = matrix(dtype, rows, cols);
+        let mut out = vec![0f32; TOKENS * rows];
+        let mut group = c.benchmark_group(format!("matmat{TOKENS}/{dtype}/{rows}x{cols}"));
+        group.throughput(Throughput::Bytes((TOKENS * m.stored_bytes()) as u64));
+        for precision in [Precision::Exact, Precision::Fast] {
+            let id = format!("{}/{precision:?}", k.name());
+            group.bench_function(id, |b| {
+                b.iter(|| {
+                    let x = k.prepare(black_box(&x), precision, &mut scratch);
+                    k.matmats(x, TOKENS, [(&m, &mut out[..])]);
+                    black_box(&out);
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1));
-    targets = matvec
+    targets = matvec, matmat
 }
 criterion_main!(benches);

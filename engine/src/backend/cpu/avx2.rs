@@ -11,6 +11,7 @@
 //! products use the sign trick `maddubs(|a|, sign(b, a))`.
 
 mod kquant;
+mod kquant_rows;
 mod rows;
 
 use std::arch::x86_64::*;
@@ -18,10 +19,18 @@ use std::arch::x86_64::*;
 use super::{Kernels, Q8Block, scalar};
 use crate::quant::QK;
 use kquant::{
-    axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k, dot_q2_k, dot_q3_k, dot_q4_k, dot_q5_k,
-    dot_q6_k, q2_k_q8, q3_k_q8, q4_k_q8, q5_k_q8, q6_k_q8,
+    axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k, dot_q2_k, dot_q2_k_tokens, dot_q3_k,
+    dot_q3_k_tokens, dot_q4_k, dot_q4_k_tokens, dot_q5_k, dot_q5_k_tokens, dot_q6_k,
+    dot_q6_k_tokens, q2_k_q8, q3_k_q8, q4_k_q8, q5_k_q8, q6_k_q8,
 };
-use rows::{dot_q4_1_x8, q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8, q8_0_q8_x8};
+use kquant_rows::{
+    q2_k_q8_x8, q2_k_q8_x8_vnni, q3_k_q8_x8, q3_k_q8_x8_vnni, q4_k_q8_x8, q4_k_q8_x8_vnni,
+    q5_k_q8_x8, q5_k_q8_x8_vnni, q6_k_q8_x8, q6_k_q8_x8_vnni,
+};
+use rows::{
+    dot_q4_1_x8, q4_0_q8_x8, q4_0_q8_x8_vnni, q4_1_q8_x8, q4_1_q8_x8_vnni, q5_0_q8_x8,
+    q5_0_q8_x8_vnni, q5_1_q8_x8, q5_1_q8_x8_vnni, q8_0_q8_x8, q8_0_q8_x8_vnni,
+};
 
 /// The best table of this module for this CPU: the VNNI one where the CPU has AVX-512 VNNI, VL
 /// and BW, else the AVX2 one if it has AVX2, FMA and F16C.
@@ -50,7 +59,7 @@ pub(super) fn supported() -> Vec<&'static Kernels> {
 static KERNELS: Kernels = AVX2;
 
 /// [`AVX2`] with the eight-row integer kernels on VNNI's one-instruction byte products; only the
-/// eight-row kernels differ (each gives the same bits as the AVX2 one).
+/// eight-row integer kernels differ (each gives the same bits as the AVX2 one).
 static VNNI: Kernels = Kernels {
     name: "avx2+fma+f16c+avx512vnni+bw",
     dot_q8_x8: [
@@ -62,11 +71,11 @@ static VNNI: Kernels = Kernels {
         Some(vnni_table::q4_1_q8_x8_vnni),
         Some(vnni_table::q5_0_q8_x8_vnni),
         Some(vnni_table::q5_1_q8_x8_vnni),
-        None,
-        None,
-        None,
-        None,
-        None,
+        Some(vnni_table::q2_k_q8_x8_vnni),
+        Some(vnni_table::q3_k_q8_x8_vnni),
+        Some(vnni_table::q4_k_q8_x8_vnni),
+        Some(vnni_table::q5_k_q8_x8_vnni),
+        Some(vnni_table::q6_k_q8_x8_vnni),
     ],
     ..AVX2
 };
@@ -127,11 +136,11 @@ const AVX2: Kernels = Kernels {
         Some(table::q4_1_q8_x8),
         Some(table::q5_0_q8_x8),
         Some(table::q5_1_q8_x8),
-        None,
-        None,
-        None,
-        None,
-        None,
+        Some(table::q2_k_q8_x8),
+        Some(table::q3_k_q8_x8),
+        Some(table::q4_k_q8_x8),
+        Some(table::q5_k_q8_x8),
+        Some(table::q6_k_q8_x8),
     ],
     dot_x8: [
         None,
@@ -147,6 +156,21 @@ const AVX2: Kernels = Kernels {
         None,
         None,
         None,
+    ],
+    dot_tokens: [
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        Some(table::dot_q2_k_tokens),
+        Some(table::dot_q3_k_tokens),
+        Some(table::dot_q4_k_tokens),
+        Some(table::dot_q5_k_tokens),
+        Some(table::dot_q6_k_tokens),
     ],
     quantize: table::quantize,
 };
@@ -208,7 +232,17 @@ mod table {
         fn q4_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q5_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q5_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q2_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q3_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q4_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q5_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q6_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn dot_q4_1_x8(rows: Rows8<'_>, xs: &[&[f32]], out: &mut [[f32; 8]]);
+        fn dot_q2_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
+        fn dot_q3_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
+        fn dot_q4_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
+        fn dot_q5_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
+        fn dot_q6_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
         fn quantize(x: &[f32], out: &mut [Q8Block]);
     }
 }
@@ -219,23 +253,28 @@ mod vnni_table {
     use super::rows::Rows8;
 
     macro_rules! wrap_vnni {
-        ($($name:ident),*) => {$(
-            pub(super) fn $name(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+        ($($name:ident($acts:ident: $ty:ty);)*) => {$(
+            pub(super) fn $name(rows: Rows8<'_>, $acts: $ty, out: &mut [[f32; 8]]) {
                 // SAFETY: these wrappers are private to this module and only reachable through
                 // `VNNI`, which `supported` hands out after finding avx2, fma, f16c, avx512vnni,
                 // avx512vl and avx512bw.
-                unsafe { super::rows::$name(rows, acts, out) }
+                unsafe { super::$name(rows, $acts, out) }
             }
         )*};
     }
 
-    wrap_vnni!(
-        q8_0_q8_x8_vnni,
-        q4_0_q8_x8_vnni,
-        q4_1_q8_x8_vnni,
-        q5_0_q8_x8_vnni,
-        q5_1_q8_x8_vnni
-    );
+    wrap_vnni! {
+        q8_0_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q4_0_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q4_1_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q5_0_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q5_1_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q2_k_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q3_k_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q4_k_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q5_k_q8_x8_vnni(acts: &[&[Q8Block]]);
+        q6_k_q8_x8_vnni(acts: &[&[Q8Block]]);
+    }
 }
 
 // ---- bounds-checked loads and stores -------------------------------------------------------

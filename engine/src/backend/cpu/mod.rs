@@ -16,14 +16,23 @@
 //! (`scripts/test-aarch64`); their speed on real hardware is not measured yet.
 //!
 //! # Eight rows at a time
-//! In the fast path, the AVX2 tables run the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
-//! through eight-row kernels (`avx2/rows.rs`): eight rows share the activation loads and the
-//! per-block bookkeeping (scale conversion, the fold into the running sum) that dominates a
-//! one-row kernel, and in a batch each group of rows is decoded once for up to four tokens. Each
-//! row's result is the scalar kernel's, bit for bit. On CPUs with AVX-512 VNNI, VL and BW a second
-//! table does the byte products in one instruction (`vpdpbusd`) and decodes Q5 blocks with byte
-//! masks. The rows of the next group are prefetched while a group is computed: eight rows read
-//! side by side are eight streams, which the hardware prefetcher follows poorly.
+//! In the fast path, the AVX2 tables run every quantised type through eight-row kernels: the
+//! 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) in `avx2/rows.rs`, the k-quants (Q2_K to
+//! Q6_K) in `avx2/kquant_rows.rs`. Eight rows share the activation loads and the per-block
+//! bookkeeping (scale conversion, the fold into the running sum) that dominates a one-row kernel,
+//! and in a batch each group of rows is decoded once for up to four tokens (a k-quant
+//! super-block's scales and mins once for up to sixteen). Each row's result is the scalar
+//! kernel's, bit for bit. On CPUs with AVX-512 VNNI, VL and BW a second table does the byte
+//! products in one instruction (`vpdpbusd`) and decodes Q5 blocks with byte masks. The rows of the
+//! next group are prefetched while a group is computed: eight rows read side by side are eight
+//! streams, which the hardware prefetcher follows poorly. The exact path has an eight-row kernel
+//! for Q4_1 (f32 sums, the same bits for a row whatever shares its call, but not the one-row
+//! kernel's). Its k-quant kernels take one row at a time for up to four tokens (`dot_tokens`):
+//! a super-block's scales and a span's widened quants are shared by the tokens, the rows are read
+//! one after the other (which the hardware prefetcher follows on its own), and each token's sum
+//! is the one-row kernel's, bit for bit. An eight-row exact k-quant kernel was tried: it made
+//! prefill ~10 % faster still, but one-token decode ~7 % slower on Gemma 3 (its transposes and
+//! register spills cost more than the shared bookkeeping saves for a single token).
 //!
 //! # Precision
 //! [`Precision::Exact`] multiplies f32 activations with dequantised weights (within ~1e-3 of an f32
@@ -220,6 +229,11 @@ pub(crate) type DotQ8x8Fn = fn([&[u8]; 8], &[&[Q8Block]], &mut [[f32; 8]]);
 /// `r` against `xs[t]`, the same bits whatever the other rows and tokens are (not the one-row
 /// kernel's: the sums are grouped per block, then across blocks).
 pub(crate) type DotX8Fn = fn([&[u8]; 8], &[&[f32]], &mut [[f32; 8]]);
+/// [`DotFn`] of one row for several tokens (at most [`TOKEN_GROUP`]): `out[t]` is the row against
+/// `xs[t]`, the bits of the table's `dot` for that pair. For kernels whose per-row work is worth
+/// sharing between tokens (a k-quant super-block's scales, a span's widened quants) but whose
+/// rows are best read one after the other.
+pub(crate) type DotTokensFn = fn(&[u8], &[&[f32]], &mut [f32]);
 /// An eight-row kernel against activations of type `A`, one per token.
 type RowGroupFn<A> = fn([&[u8]; 8], &[A], &mut [[f32; 8]]);
 /// `out += a * w` over one row of `out.len()` values.
@@ -245,6 +259,9 @@ pub struct Kernels {
     /// Indexed by [`dtype_index`]: the exact kernel over eight rows at once, where the table has
     /// one (used in place of `dot` for every group of rows, alone or in a batch).
     dot_x8: [Option<DotX8Fn>; DType::ALL.len()],
+    /// Indexed by [`dtype_index`]: the exact one-row kernel for several tokens, where the table
+    /// has one and no `dot_x8` (used in place of `dot` for every row, alone or in a batch).
+    dot_tokens: [Option<DotTokensFn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`].
     axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
@@ -328,6 +345,9 @@ const NO_ROW_GROUPS: [Option<DotQ8x8Fn>; DType::ALL.len()] = [None; DType::ALL.l
 
 /// A `dot_x8` column for tables without eight-row exact kernels.
 const NO_EXACT_ROW_GROUPS: [Option<DotX8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
+
+/// A `dot_tokens` column for tables without multi-token one-row kernels.
+const NO_TOKEN_KERNELS: [Option<DotTokensFn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
 /// Most tokens [`Kernels::rows_dot_each`] takes at once.
 pub const TOKEN_GROUP: usize = 16;
@@ -518,6 +538,19 @@ impl Kernels {
         outs: &mut [&mut [f32]],
     ) {
         let i = dtype_index(dtype);
+        if let Some(dot) = self.dot_tokens[i] {
+            assert_eq!(xs.len(), outs.len(), "one output per token");
+            assert!(xs.len() <= TOKEN_GROUP, "{} tokens in one call", xs.len());
+            let n = outs.first().map_or(0, |o| o.len());
+            let mut res = [0f32; TOKEN_GROUP];
+            for (k, row) in rows.take(n).enumerate() {
+                dot(row, xs, &mut res[..xs.len()]);
+                for (out, r) in outs.iter_mut().zip(res) {
+                    out[k] = r;
+                }
+            }
+            return;
+        }
         let dot8 = self.dot_x8[i].map(|f| f as RowGroupFn<&[f32]>);
         by_rows(rows, xs, outs, dot8, self.dot[i]);
     }

@@ -99,6 +99,7 @@ static NEON: Kernels = Kernels {
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
     dot_x8: super::NO_EXACT_ROW_GROUPS,
+    dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
 };
 
@@ -123,6 +124,7 @@ static NEON_DOTPROD: Kernels = Kernels {
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
     dot_x8: super::NO_EXACT_ROW_GROUPS,
+    dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
 };
 

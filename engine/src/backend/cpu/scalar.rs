@@ -44,6 +44,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     ],
     dot_q8_x8: super::NO_ROW_GROUPS,
     dot_x8: super::NO_EXACT_ROW_GROUPS,
+    dot_tokens: super::NO_TOKEN_KERNELS,
     axpy: [
         axpy_f32,
         axpy_f16,

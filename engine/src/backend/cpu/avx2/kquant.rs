@@ -19,9 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{
-    Q8Block, hsum, i8x8_ps, ld_32, ld_ps, ld_q, mul_sum_ss, mul_sum_us, q_dot_x_halves, st_ps,
-};
+use super::{Q8Block, hsum, i8x8_ps, ld_32, ld_ps, ld_q, mul_sum_ss, mul_sum_us, st_ps};
 use crate::quant::kquant::QK_K;
 use crate::quant::kquant::groups;
 use crate::quant::{DType, QK};
@@ -37,33 +35,41 @@ fn bits(v: __m256i, n: usize, mask: i8) -> __m256i {
 /// `q2_k`: two bits per value, four values per byte of the 32-byte half `s / 4`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn span_q2_k(b: &[u8], s: usize) -> __m256i {
+pub(super) fn span_q2_k(b: &[u8], s: usize) -> __m256i {
     bits(ld_32(b, 16 + 32 * (s / 4)), 2 * (s % 4), 3)
 }
 
 /// `q3_k`: two low bits as `q2_k` (at 32), minus 4 where bit `s` of `hmask` is clear.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn span_q3_k(b: &[u8], s: usize) -> __m256i {
+pub(super) fn span_q3_k(b: &[u8], s: usize) -> __m256i {
+    _mm256_sub_epi8(span_q3_k_biased(b, s), _mm256_set1_epi8(Q3_K_BIAS as i8))
+}
+
+/// What [`span_q3_k_biased`] adds to each quant.
+pub(super) const Q3_K_BIAS: i32 = 4;
+
+/// [`span_q3_k`] plus [`Q3_K_BIAS`]: unsigned bytes 0..=7 (the two low bits, bit 2 where bit `s`
+/// of `hmask` is set).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn span_q3_k_biased(b: &[u8], s: usize) -> __m256i {
     let low = bits(ld_32(b, 32 + 32 * (s / 4)), 2 * (s % 4), 3);
     let high = bits(ld_32(b, 0), s, 1);
-    _mm256_sub_epi8(
-        _mm256_or_si256(low, _mm256_slli_epi16::<2>(high)),
-        _mm256_set1_epi8(4),
-    )
+    _mm256_or_si256(low, _mm256_slli_epi16::<2>(high))
 }
 
 /// `q4_k`: span `s` is the low (even `s`) or high nibbles of the 32 bytes at `16 + 32 (s / 2)`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn span_q4_k(b: &[u8], s: usize) -> __m256i {
+pub(super) fn span_q4_k(b: &[u8], s: usize) -> __m256i {
     bits(ld_32(b, 16 + 32 * (s / 2)), 4 * (s % 2), 0x0f)
 }
 
 /// `q5_k`: nibbles as `q4_k` (at 48), bit 4 from bit `s` of `qh` (at 16).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn span_q5_k(b: &[u8], s: usize) -> __m256i {
+pub(super) fn span_q5_k(b: &[u8], s: usize) -> __m256i {
     let low = bits(ld_32(b, 48 + 32 * (s / 2)), 4 * (s % 2), 0x0f);
     let high = bits(ld_32(b, 16), s, 1);
     _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
@@ -73,18 +79,25 @@ fn span_q5_k(b: &[u8], s: usize) -> __m256i {
 /// `64h + 32 (t % 2)` and bits `2t..2t+2` of the 32 `qh` bytes at `128 + 32h`, minus 32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn span_q6_k(b: &[u8], s: usize) -> __m256i {
+pub(super) fn span_q6_k(b: &[u8], s: usize) -> __m256i {
+    _mm256_sub_epi8(span_q6_k_biased(b, s), _mm256_set1_epi8(Q6_K_BIAS as i8))
+}
+
+/// What [`span_q6_k_biased`] adds to each quant.
+pub(super) const Q6_K_BIAS: i32 = 32;
+
+/// [`span_q6_k`] plus [`Q6_K_BIAS`]: the stored unsigned six-bit values, 0..=63.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) fn span_q6_k_biased(b: &[u8], s: usize) -> __m256i {
     let (h, t) = (s / 4, s % 4);
     let low = bits(ld_32(b, 64 * h + 32 * (t % 2)), 4 * (t / 2), 0x0f);
     let high = bits(ld_32(b, 128 + 32 * h), 2 * t, 3);
-    _mm256_sub_epi8(
-        _mm256_or_si256(low, _mm256_slli_epi16::<4>(high)),
-        _mm256_set1_epi8(32),
-    )
+    _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
 }
 
 /// Whether `dtype` has sub-block mins (the others skip that half of the work).
-const fn has_min(dtype: DType) -> bool {
+pub(super) const fn has_min(dtype: DType) -> bool {
     matches!(dtype, DType::Q2K | DType::Q4K | DType::Q5K)
 }
 
@@ -95,34 +108,93 @@ fn pair(lo: f32, hi: f32) -> __m256 {
     _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo))
 }
 
+/// Most tokens [`dot_tokens`] takes in one pass over a row: their running sums stay in registers
+/// next to the span being decoded.
+const TOKENS: usize = 4;
+
+/// The exact dot product of one row with each of up to [`TOKENS`] tokens' activations: each
+/// super-block's scales are decoded and each span's quants widened once for all of them. Per
+/// token the arithmetic is that of one token alone (the span's two halves scaled into one
+/// running vector, the mins into another, both summed at the end), so `out[t]` is the same bits
+/// whatever the other tokens are.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn dot<const BB: usize>(
+fn dot_tokens<const BB: usize>(
     dtype: DType,
     row: &[u8],
-    x: &[f32],
+    xs: &[&[f32]],
+    out: &mut [f32],
     span: impl Fn(&[u8], usize) -> __m256i,
-) -> f32 {
+) {
+    assert!(
+        xs.len() <= TOKENS && xs.len() == out.len(),
+        "tokens vs outputs"
+    );
     let (blocks, _) = row.as_chunks::<BB>();
-    let (xs, _) = x.as_chunks::<QK_K>();
-    let mut acc = _mm256_setzero_ps();
-    let mut macc = _mm256_setzero_ps();
-    for (b, xb) in blocks.iter().zip(xs) {
+    let mut acc = [_mm256_setzero_ps(); TOKENS];
+    let mut macc = [_mm256_setzero_ps(); TOKENS];
+    for (i, b) in blocks.iter().enumerate() {
         let g = groups(dtype, b);
-        let (spans, _) = xb.as_chunks::<QK>();
-        for (s, x32) in spans.iter().enumerate() {
-            let (lo, hi) = q_dot_x_halves(span(b, s), x32);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(g.scale[2 * s]), lo, acc);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(g.scale[2 * s + 1]), hi, acc);
-            if has_min(dtype) {
-                let sx_lo = _mm256_add_ps(ld_ps(x32, 0), ld_ps(x32, 8));
-                let sx_hi = _mm256_add_ps(ld_ps(x32, 16), ld_ps(x32, 24));
-                macc = _mm256_fmadd_ps(_mm256_set1_ps(g.min[2 * s]), sx_lo, macc);
-                macc = _mm256_fmadd_ps(_mm256_set1_ps(g.min[2 * s + 1]), sx_hi, macc);
+        for s in 0..QK_K / QK {
+            let w = widen(span(b, s));
+            let (scale_lo, scale_hi) = (g.scale[2 * s], g.scale[2 * s + 1]);
+            let (min_lo, min_hi) = (g.min[2 * s], g.min[2 * s + 1]);
+            for (t, x) in xs.iter().enumerate() {
+                let x32: &[f32; QK] = x[QK_K * i + QK * s..][..QK].try_into().expect("a span");
+                let (lo, hi) = w_dot_x_halves(&w, x32);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo), lo, acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_hi), hi, acc[t]);
+                if has_min(dtype) {
+                    let sx_lo = _mm256_add_ps(ld_ps(x32, 0), ld_ps(x32, 8));
+                    let sx_hi = _mm256_add_ps(ld_ps(x32, 16), ld_ps(x32, 24));
+                    macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(min_lo), sx_lo, macc[t]);
+                    macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(min_hi), sx_hi, macc[t]);
+                }
             }
         }
     }
-    hsum(acc) - hsum(macc)
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = hsum(acc[t]) - hsum(macc[t]);
+    }
+}
+
+/// The 32 signed quants of a span as f32: elements 0-7, 8-15, 16-23 and 24-31.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn widen(q: __m256i) -> [__m256; 4] {
+    let lo = _mm256_castsi256_si128(q);
+    let hi = _mm256_extracti128_si256::<1>(q);
+    [
+        i8x8_ps(lo),
+        i8x8_ps(_mm_unpackhi_epi64(lo, lo)),
+        i8x8_ps(hi),
+        i8x8_ps(_mm_unpackhi_epi64(hi, hi)),
+    ]
+}
+
+/// Partial sums of `w·x` over elements 0..16 and 16..32 of a span (the k-quants scale each half).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn w_dot_x_halves(w: &[__m256; 4], x: &[f32; QK]) -> (__m256, __m256) {
+    let lo = _mm256_fmadd_ps(w[0], ld_ps(x, 0), _mm256_mul_ps(w[1], ld_ps(x, 8)));
+    let hi = _mm256_fmadd_ps(w[2], ld_ps(x, 16), _mm256_mul_ps(w[3], ld_ps(x, 24)));
+    (lo, hi)
+}
+
+/// [`dot_tokens`] for any number of tokens, [`TOKENS`] at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn dot_all<const BB: usize>(
+    dtype: DType,
+    row: &[u8],
+    xs: &[&[f32]],
+    out: &mut [f32],
+    span: impl Fn(&[u8], usize) -> __m256i + Copy,
+) {
+    assert_eq!(xs.len(), out.len(), "one output per token");
+    for (xs, out) in xs.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
+        dot_tokens::<BB>(dtype, row, xs, out, span);
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -194,10 +266,16 @@ fn axpy<const BB: usize>(
 }
 
 macro_rules! kernels {
-    ($($dtype:ident, $bytes:literal, $span:ident: $dot:ident, $q8:ident, $axpy:ident;)*) => {$(
+    ($($dtype:ident, $bytes:literal, $span:ident: $dot:ident, $dot8:ident, $q8:ident, $axpy:ident;)*) => {$(
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(super) fn $dot(row: &[u8], x: &[f32]) -> f32 {
-            dot::<$bytes>(DType::$dtype, row, x, |b, s| $span(b, s))
+            let mut out = [0f32];
+            dot_tokens::<$bytes>(DType::$dtype, row, &[x], &mut out, |b, s| $span(b, s));
+            out[0]
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) fn $dot8(row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+            dot_all::<$bytes>(DType::$dtype, row, xs, out, |b, s| $span(b, s))
         }
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(super) fn $q8(row: &[u8], acts: &[Q8Block]) -> f32 {
@@ -211,9 +289,9 @@ macro_rules! kernels {
 }
 
 kernels! {
-    Q2K, 84, span_q2_k: dot_q2_k, q2_k_q8, axpy_q2_k;
-    Q3K, 110, span_q3_k: dot_q3_k, q3_k_q8, axpy_q3_k;
-    Q4K, 144, span_q4_k: dot_q4_k, q4_k_q8, axpy_q4_k;
-    Q5K, 176, span_q5_k: dot_q5_k, q5_k_q8, axpy_q5_k;
-    Q6K, 210, span_q6_k: dot_q6_k, q6_k_q8, axpy_q6_k;
+    Q2K, 84, span_q2_k: dot_q2_k, dot_q2_k_tokens, q2_k_q8, axpy_q2_k;
+    Q3K, 110, span_q3_k: dot_q3_k, dot_q3_k_tokens, q3_k_q8, axpy_q3_k;
+    Q4K, 144, span_q4_k: dot_q4_k, dot_q4_k_tokens, q4_k_q8, axpy_q4_k;
+    Q5K, 176, span_q5_k: dot_q5_k, dot_q5_k_tokens, q5_k_q8, axpy_q5_k;
+    Q6K, 210, span_q6_k: dot_q6_k, dot_q6_k_tokens, q6_k_q8, axpy_q6_k;
 }

@@ -24,7 +24,12 @@ pub(in crate::backend::cpu) type Rows8<'a> = [&'a [u8]; 8];
 /// Number of whole blocks of `block_bytes` in the rows (checked to be of one length), and that
 /// every token's activations cover them at `per_block` activations a block.
 #[inline]
-fn blocks_of<A>(rows: &Rows8<'_>, block_bytes: usize, acts: &[&[A]], per_block: usize) -> usize {
+pub(super) fn blocks_of<A>(
+    rows: &Rows8<'_>,
+    block_bytes: usize,
+    acts: &[&[A]],
+    per_block: usize,
+) -> usize {
     let len = rows[0].len();
     assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
     let n = len / block_bytes;
@@ -49,10 +54,11 @@ fn sum_lanes(v: [__m256i; 8]) -> __m256i {
     )
 }
 
-/// Eight i32 partial sums of `Σ u·s` for unsigned bytes `u` (≤ 31) and signed bytes `s`.
+/// Eight i32 partial sums of `Σ u·s` for unsigned bytes `u` (≤ 63, so no pair of products
+/// saturates the i16 step) and signed bytes `s` (≥ -127).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn udot(u: __m256i, s: __m256i) -> __m256i {
+pub(super) fn udot(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
@@ -96,7 +102,7 @@ fn act_sum(q: __m256i) -> __m256i {
 /// The eight results as an array.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn lanes(v: __m256) -> [f32; 8] {
+pub(super) fn lanes(v: __m256) -> [f32; 8] {
     let mut out = [0f32; 8];
     // SAFETY: `out` is exactly eight f32; storeu has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
@@ -105,7 +111,7 @@ fn lanes(v: __m256) -> [f32; 8] {
 
 /// Most tokens one pass over a block of eight rows serves: their running totals stay in
 /// registers next to the eight decoded rows.
-const TOKENS: usize = 4;
+pub(super) const TOKENS: usize = 4;
 
 /// The eight-row kernel of one block type for up to [`TOKENS`] tokens: per block, each row's
 /// values are decoded once (`decode`, at the block's byte offset), multiplied with each token's
@@ -288,7 +294,7 @@ row_kernels!(
 /// registers.
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 #[inline]
-fn udot_vnni(u: __m256i, s: __m256i) -> __m256i {
+pub(super) fn udot_vnni(u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
 }
 
