@@ -826,18 +826,22 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
     let sign = _mm256_set1_ps(-0.0);
     for (xb, o) in xs.iter().zip(out.iter_mut()) {
         let v = [ld_ps(xb, 0), ld_ps(xb, 8), ld_ps(xb, 16), ld_ps(xb, 24)];
-        let abs = v.map(|v| _mm256_andnot_ps(sign, v));
+        let mut abs = v;
+        for a in &mut abs {
+            *a = _mm256_andnot_ps(sign, *a);
+        }
         let amax = hmax(_mm256_max_ps(
             _mm256_max_ps(abs[0], abs[1]),
             _mm256_max_ps(abs[2], abs[3]),
         ));
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-        let q = v.map(|v| {
-            _mm256_cvtps_epi32(_mm256_round_ps::<
+        let mut q = [_mm256_setzero_si256(); 4];
+        for (q, v) in q.iter_mut().zip(v) {
+            *q = _mm256_cvtps_epi32(_mm256_round_ps::<
                 { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-            >(_mm256_mul_ps(v, id)))
-        });
+            >(_mm256_mul_ps(v, id)));
+        }
         let sum = hsum_i32(_mm256_add_epi32(
             _mm256_add_epi32(q[0], q[1]),
             _mm256_add_epi32(q[2], q[3]),

@@ -112,50 +112,50 @@ fn pair(lo: f32, hi: f32) -> __m256 {
 /// next to the span being decoded.
 const TOKENS: usize = 4;
 
-/// The exact dot product of one row with each of up to [`TOKENS`] tokens' activations: each
-/// super-block's scales are decoded and each span's quants widened once for all of them. Per
-/// token the arithmetic is that of one token alone (the span's two halves scaled into one
-/// running vector, the mins into another, both summed at the end), so `out[t]` is the same bits
-/// whatever the other tokens are.
+/// The exact dot product of one row with each of `N` (at most [`TOKENS`]) tokens'
+/// activations: each super-block's scales are decoded and each span's quants widened once for
+/// all of them. Per token the arithmetic is that of one token alone (the span's two halves
+/// scaled, and its mins times the activations' sums taken off, in one running vector summed at
+/// the end), so a token's result is the same bits whatever the other tokens are. `N` is a
+/// constant and there is one running vector per token so that they all stay in registers: with
+/// a second vector for the mins, four tokens spilled on AVX2's sixteen registers, and the spills'
+/// stores could alias (in the low 12 address bits) the activation loads of a projection whose
+/// rows are 8 KiB apart, which halved this kernel's speed in some builds.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn dot_tokens<const BB: usize>(
+fn dot_tokens<const BB: usize, const N: usize>(
     dtype: DType,
     row: &[u8],
-    xs: &[&[f32]],
-    out: &mut [f32],
+    xs: [&[f32]; N],
     span: impl Fn(&[u8], usize) -> __m256i,
-) {
-    assert!(
-        xs.len() <= TOKENS && xs.len() == out.len(),
-        "tokens vs outputs"
-    );
+) -> [f32; N] {
     let (blocks, _) = row.as_chunks::<BB>();
-    let mut acc = [_mm256_setzero_ps(); TOKENS];
-    let mut macc = [_mm256_setzero_ps(); TOKENS];
+    let mut acc = [_mm256_setzero_ps(); N];
     for (i, b) in blocks.iter().enumerate() {
         let g = groups(dtype, b);
         for s in 0..QK_K / QK {
             let w = widen(span(b, s));
             let (scale_lo, scale_hi) = (g.scale[2 * s], g.scale[2 * s + 1]);
             let (min_lo, min_hi) = (g.min[2 * s], g.min[2 * s + 1]);
-            for (t, x) in xs.iter().enumerate() {
-                let x32: &[f32; QK] = x[QK_K * i + QK * s..][..QK].try_into().expect("a span");
+            for t in 0..N {
+                let x32: &[f32; QK] = xs[t][QK_K * i + QK * s..][..QK].try_into().expect("a span");
                 let (lo, hi) = w_dot_x_halves(&w, x32);
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo), lo, acc[t]);
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_hi), hi, acc[t]);
                 if has_min(dtype) {
                     let sx_lo = _mm256_add_ps(ld_ps(x32, 0), ld_ps(x32, 8));
                     let sx_hi = _mm256_add_ps(ld_ps(x32, 16), ld_ps(x32, 24));
-                    macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(min_lo), sx_lo, macc[t]);
-                    macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(min_hi), sx_hi, macc[t]);
+                    acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(min_lo), sx_lo, acc[t]);
+                    acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(min_hi), sx_hi, acc[t]);
                 }
             }
         }
     }
-    for (t, o) in out.iter_mut().enumerate() {
-        *o = hsum(acc[t]) - hsum(macc[t]);
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = hsum(acc[t]);
     }
+    out
 }
 
 /// The 32 signed quants of a span as f32: elements 0-7, 8-15, 16-23 and 24-31.
@@ -193,7 +193,15 @@ fn dot_all<const BB: usize>(
 ) {
     assert_eq!(xs.len(), out.len(), "one output per token");
     for (xs, out) in xs.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
-        dot_tokens::<BB>(dtype, row, xs, out, span);
+        match *xs {
+            [a] => out.copy_from_slice(&dot_tokens::<BB, 1>(dtype, row, [a], span)),
+            [a, b] => out.copy_from_slice(&dot_tokens::<BB, 2>(dtype, row, [a, b], span)),
+            [a, b, c] => out.copy_from_slice(&dot_tokens::<BB, 3>(dtype, row, [a, b, c], span)),
+            [a, b, c, d] => {
+                out.copy_from_slice(&dot_tokens::<BB, 4>(dtype, row, [a, b, c, d], span))
+            }
+            _ => unreachable!("chunks of one to {TOKENS} tokens"),
+        }
     }
 }
 
@@ -269,9 +277,7 @@ macro_rules! kernels {
     ($($dtype:ident, $bytes:literal, $span:ident: $dot:ident, $dot8:ident, $q8:ident, $axpy:ident;)*) => {$(
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(super) fn $dot(row: &[u8], x: &[f32]) -> f32 {
-            let mut out = [0f32];
-            dot_tokens::<$bytes>(DType::$dtype, row, &[x], &mut out, |b, s| $span(b, s));
-            out[0]
+            dot_tokens::<$bytes, 1>(DType::$dtype, row, [x], |b, s| $span(b, s))[0]
         }
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(super) fn $dot8(row: &[u8], xs: &[&[f32]], out: &mut [f32]) {

@@ -89,22 +89,26 @@ fn transpose(m: [__m256; 8]) -> [__m256; 8] {
     let top = quads(pairs(m[0], m[1]), pairs(m[2], m[3]));
     let bottom = quads(pairs(m[4], m[5]), pairs(m[6], m[7]));
     // ...and the halves put together: the low halves hold columns 0..4, the high ones 4..8.
-    std::array::from_fn(|c| {
-        if c < 4 {
-            _mm256_permute2f128_ps::<0x20>(top[c], bottom[c])
-        } else {
-            _mm256_permute2f128_ps::<0x31>(top[c - 4], bottom[c - 4])
-        }
-    })
+    let mut out = [_mm256_setzero_ps(); 8];
+    for c in 0..4 {
+        out[c] = _mm256_permute2f128_ps::<0x20>(top[c], bottom[c]);
+        out[c + 4] = _mm256_permute2f128_ps::<0x31>(top[c], bottom[c]);
+    }
+    out
 }
 
 /// Sixteen floats of each of eight rows, transposed: lane `r` of `out[k]` is `v[r][k]`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn transpose16(v: [&[f32; GROUPS]; 8]) -> [__m256; GROUPS] {
-    let lo = transpose(v.map(|g| ld_ps(g, 0)));
-    let hi = transpose(v.map(|g| ld_ps(g, 8)));
-    std::array::from_fn(|k| if k < 8 { lo[k] } else { hi[k - 8] })
+    let (mut lo, mut hi) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
+    for ((lo, hi), g) in lo.iter_mut().zip(&mut hi).zip(v) {
+        (*lo, *hi) = (ld_ps(g, 0), ld_ps(g, 8));
+    }
+    let mut out = [_mm256_setzero_ps(); GROUPS];
+    out[..8].copy_from_slice(&transpose(lo));
+    out[8..].copy_from_slice(&transpose(hi));
+    out
 }
 
 /// The scales and mins of one super-block of eight rows: lane `r` of `scale[k]` is group `k`'s
@@ -194,7 +198,11 @@ fn fold_q8(
     udot: impl Fn(__m256i, __m256i) -> __m256i,
 ) -> __m256 {
     let q = ld_q(&a.q);
-    let (mut isum0, mut isum1) = group_sums(w.map(|w| udot(w, q)));
+    let mut p = [_mm256_setzero_si256(); 8];
+    for (p, &w) in p.iter_mut().zip(w) {
+        *p = udot(w, q);
+    }
+    let (mut isum0, mut isum1) = group_sums(p);
     let (qsum0, qsum1) = act_group_sums(udot(_mm256_set1_epi8(1), q));
     if ty.bias != 0 {
         let bias = _mm256_set1_epi32(ty.bias);
@@ -230,7 +238,10 @@ fn q8_group<const BB: usize>(
         let g = scales8(ty.dtype, &blocks);
         for (acts, totals) in acts.chunks(TOKENS).zip(totals.chunks_mut(TOKENS)) {
             for s in 0..SPANS {
-                let w = blocks.map(|b| span(b, s));
+                let mut w = [_mm256_setzero_si256(); 8];
+                for (w, b) in w.iter_mut().zip(&blocks) {
+                    *w = span(*b, s);
+                }
                 for (a, t) in acts.iter().zip(totals.iter_mut()) {
                     *t = fold_q8(ty, *t, &w, &a[SPANS * i + s], &g, s, udot);
                 }
