@@ -135,15 +135,7 @@ impl Worker {
             run_together(&mut ready);
         } else {
             for Due { session, step } in &mut ready {
-                let room = Room {
-                    id: step.id,
-                    budget,
-                };
-                let result = if step.prompt {
-                    prefill(step.model, session.as_mut(), &step.piece, &room)
-                } else {
-                    forward(step.model, session.as_mut(), step.piece[0], &room)
-                };
+                let result = run_alone(step.model, session.as_mut(), &step.piece);
                 if let Err(f) = result.and_then(|logits| step.done(logits)) {
                     step.run.fail(step.id, f);
                 }
@@ -212,41 +204,23 @@ fn batch_limit(class: Priority) -> usize {
 /// See [`batch_limit`].
 const BACKGROUND_BATCH: usize = 4;
 
-/// Runs `piece` of a prompt: through the sparse pipeline (one token), or a dense model's batched
-/// pass after reserving the KV room for all of it. Returns the last token's logits.
-fn prefill<'s>(
+/// Runs `piece` (its KV room already reserved) on `session` alone: through the model's sparse
+/// FFN pipeline when it has one (a piece is then one token), else its batched pass. Returns the
+/// last token's logits.
+fn run_alone<'s>(
     model: &LoadedModel,
     session: &'s mut dyn Decode,
     piece: &[u32],
-    room: &Room<'_>,
 ) -> Result<&'s mut [f32], Failure> {
-    match (&model.ffn, piece) {
-        (Some(_), &[token]) => forward(model, session, token, room),
-        _ => {
-            room.grow(session, piece.len())?;
-            Ok(session.forward_batch(piece)?)
-        }
-    }
-}
-
-/// One forward pass of `session`, through the model's sparse FFN pipeline when it has one,
-/// after making room for the token in its KV cache.
-fn forward<'s>(
-    model: &LoadedModel,
-    session: &'s mut dyn Decode,
-    token: u32,
-    room: &Room<'_>,
-) -> Result<&'s mut [f32], Failure> {
-    room.grow(session, 1)?;
-    Ok(match &model.ffn {
+    Ok(match (&model.ffn, piece) {
         // A panic while the scheduler held the lock would have ended this thread, so a poisoned
         // lock cannot be seen here; take it anyway rather than add a panic path.
-        Some(ffn) => session.forward_with(
+        (Some(ffn), &[token]) => session.forward_with(
             token,
             &mut *ffn
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )?,
-        None => session.forward(token)?,
+        _ => session.forward_batch(piece)?,
     })
 }

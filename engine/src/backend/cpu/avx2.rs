@@ -502,27 +502,32 @@ fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q_dot_x(q: __m256i, xb: &[f32; QK]) -> __m256 {
-    let (s01, s23) = q_dot_x_halves(q, xb);
+    let (s01, s23) = w_dot_x_halves(&widen(q), xb);
     _mm256_add_ps(s01, s23)
 }
 
-/// [`q_dot_x`] as partial sums over elements 0..16 and 16..32 (the k-quants scale each half).
+/// The 32 signed bytes of `q` as f32: elements 0-7, 8-15, 16-23 and 24-31.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q_dot_x_halves(q: __m256i, xb: &[f32; QK]) -> (__m256, __m256) {
+fn widen(q: __m256i) -> [__m256; 4] {
     let lo = _mm256_castsi256_si128(q);
     let hi = _mm256_extracti128_si256::<1>(q);
-    let s01 = _mm256_fmadd_ps(
+    [
         i8x8_ps(lo),
-        ld_ps(xb, 0),
-        _mm256_mul_ps(i8x8_ps(_mm_unpackhi_epi64(lo, lo)), ld_ps(xb, 8)),
-    );
-    let s23 = _mm256_fmadd_ps(
+        i8x8_ps(_mm_unpackhi_epi64(lo, lo)),
         i8x8_ps(hi),
-        ld_ps(xb, 16),
-        _mm256_mul_ps(i8x8_ps(_mm_unpackhi_epi64(hi, hi)), ld_ps(xb, 24)),
-    );
-    (s01, s23)
+        i8x8_ps(_mm_unpackhi_epi64(hi, hi)),
+    ]
+}
+
+/// Partial sums of `w·x` over elements 0..16 and 16..32 of a block (the k-quants scale each
+/// half), with `w` from [`widen`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn w_dot_x_halves(w: &[__m256; 4], x: &[f32; QK]) -> (__m256, __m256) {
+    let lo = _mm256_fmadd_ps(w[0], ld_ps(x, 0), _mm256_mul_ps(w[1], ld_ps(x, 8)));
+    let hi = _mm256_fmadd_ps(w[2], ld_ps(x, 16), _mm256_mul_ps(w[3], ld_ps(x, 24)));
+    (lo, hi)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

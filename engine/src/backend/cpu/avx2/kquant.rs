@@ -19,7 +19,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{Q8Block, hsum, i8x8_ps, ld_32, ld_ps, ld_q, mul_sum_ss, mul_sum_us, st_ps};
+use super::{
+    Q8Block, hsum, ld_32, ld_ps, ld_q, mul_sum_ss, mul_sum_us, st_ps, w_dot_x_halves, widen,
+};
 use crate::quant::kquant::QK_K;
 use crate::quant::kquant::groups;
 use crate::quant::{DType, QK};
@@ -158,29 +160,6 @@ fn dot_tokens<const BB: usize, const N: usize>(
     out
 }
 
-/// The 32 signed quants of a span as f32: elements 0-7, 8-15, 16-23 and 24-31.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn widen(q: __m256i) -> [__m256; 4] {
-    let lo = _mm256_castsi256_si128(q);
-    let hi = _mm256_extracti128_si256::<1>(q);
-    [
-        i8x8_ps(lo),
-        i8x8_ps(_mm_unpackhi_epi64(lo, lo)),
-        i8x8_ps(hi),
-        i8x8_ps(_mm_unpackhi_epi64(hi, hi)),
-    ]
-}
-
-/// Partial sums of `w·x` over elements 0..16 and 16..32 of a span (the k-quants scale each half).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn w_dot_x_halves(w: &[__m256; 4], x: &[f32; QK]) -> (__m256, __m256) {
-    let lo = _mm256_fmadd_ps(w[0], ld_ps(x, 0), _mm256_mul_ps(w[1], ld_ps(x, 8)));
-    let hi = _mm256_fmadd_ps(w[2], ld_ps(x, 16), _mm256_mul_ps(w[3], ld_ps(x, 24)));
-    (lo, hi)
-}
-
 /// [`dot_tokens`] for any number of tokens, [`TOKENS`] at a time.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -250,20 +229,11 @@ fn axpy<const BB: usize>(
         let g = groups(dtype, b);
         let (spans, _) = ob.as_chunks_mut::<QK>();
         for (s, o) in spans.iter_mut().enumerate() {
-            let q = span(b, s);
-            let lo = _mm256_castsi256_si128(q);
-            let hi = _mm256_extracti128_si256::<1>(q);
-            let parts = [
-                lo,
-                _mm_unpackhi_epi64(lo, lo),
-                hi,
-                _mm_unpackhi_epi64(hi, hi),
-            ];
-            for (k, part) in parts.into_iter().enumerate() {
+            for (k, q) in widen(span(b, s)).into_iter().enumerate() {
                 let grp = 2 * s + k / 2;
                 // Multiply, then subtract: the same two roundings as the dequantiser.
                 let w = _mm256_sub_ps(
-                    _mm256_mul_ps(i8x8_ps(part), _mm256_set1_ps(g.scale[grp])),
+                    _mm256_mul_ps(q, _mm256_set1_ps(g.scale[grp])),
                     _mm256_set1_ps(g.min[grp]),
                 );
                 let v = _mm256_fmadd_ps(w, av, ld_ps(o, 8 * k));
