@@ -860,6 +860,7 @@ fn quantize(x: &[f32], out: &mut [Q8Block]) {
         st_q(&mut o.q, ordered);
         o.d = d;
         o.s = d * sum as f32;
+        o.sum = sum;
     }
     if !tail.is_empty()
         && let Some(o) = out.get_mut(xs.len())

@@ -79,12 +79,14 @@ pub enum Precision {
     Fast,
 }
 
-/// One block of 32 activations quantised to i8: value `j` ≈ `d * q[j]`, and `s = d * Σ q`.
+/// One block of 32 activations quantised to i8: value `j` ≈ `d * q[j]`, `sum = Σ q` (exact) and
+/// `s = d * sum`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[repr(C)]
 pub struct Q8Block {
     pub d: f32,
     pub s: f32,
+    pub sum: i32,
     pub q: [i8; QK],
 }
 
@@ -92,6 +94,7 @@ impl Q8Block {
     const ZERO: Q8Block = Q8Block {
         d: 0.0,
         s: 0.0,
+        sum: 0,
         q: [0; QK],
     };
 }

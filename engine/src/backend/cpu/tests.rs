@@ -496,7 +496,7 @@ fn quantize_is_the_same_in_every_table_and_does_not_reallocate() {
             let bits = |q: &QuantizedActs| {
                 let b = q.blocks();
                 b.iter()
-                    .map(|b| (b.d.to_bits(), b.s.to_bits(), b.q))
+                    .map(|b| (b.d.to_bits(), b.s.to_bits(), b.sum, b.q))
                     .collect::<Vec<_>>()
             };
             assert_eq!(bits(&a), bits(&b), "{} n={n}", k.name());
@@ -505,7 +505,7 @@ fn quantize_is_the_same_in_every_table_and_does_not_reallocate() {
         assert_eq!(a.values(), &x[..]);
         for (blk, xb) in a.blocks().iter().zip(x.chunks(QK)) {
             let sum: i32 = blk.q.iter().map(|&q| i32::from(q)).sum();
-            assert_eq!(blk.s, blk.d * sum as f32);
+            assert_eq!((blk.sum, blk.s), (sum, blk.d * sum as f32));
             for (q, v) in blk.q.iter().zip(xb) {
                 assert!((f32::from(*q) * blk.d - v).abs() <= blk.d * 0.5 + 1e-6);
             }
@@ -534,10 +534,15 @@ fn quantize_rounds_ties_to_even_in_every_table() {
         let [b0, b1] = acts.blocks() else {
             panic!("two blocks")
         };
-        assert_eq!((b0.d, b0.s, b0.q), (1.0, sum as f32, want), "{}", k.name());
         assert_eq!(
-            (b1.d, b1.s, b1.q),
-            (1.0, -sum as f32, want.map(|q| -q)),
+            (b0.d, b0.s, b0.sum, b0.q),
+            (1.0, sum as f32, sum, want),
+            "{}",
+            k.name()
+        );
+        assert_eq!(
+            (b1.d, b1.s, b1.sum, b1.q),
+            (1.0, -sum as f32, -sum, want.map(|q| -q)),
             "{}",
             k.name()
         );

@@ -31,6 +31,7 @@ pub(super) fn quantize(x: &[f32], out: &mut [Q8Block]) {
         st_q(&mut o.q, q8);
         o.d = d;
         o.s = d * sum as f32;
+        o.sum = sum;
     }
     if !tail.is_empty()
         && let Some(o) = out.get_mut(xs.len())
