@@ -193,7 +193,7 @@ fn run_together(ready: &mut [Due<'_>]) {
 /// Most sessions one pass of `class` advances. Background passes stay short, so that a more
 /// urgent request waits for little when it arrives during one (a pass cannot be interrupted):
 /// on SmolLM2 with 2 cores a pass for 4 conversations already gains what a pass for 8 does
-/// (`engine/examples/batch_decode.rs`: 1.33× against 1.35×) in half the time.
+/// (`engine/examples/batch_decode.rs`, fast: 2.5× one session's rate for both) in half the time.
 fn batch_limit(class: Priority) -> usize {
     match class {
         Priority::Background => BACKGROUND_BATCH,
