@@ -322,23 +322,14 @@ pub(super) fn udot_add(sum: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_add_epi32(sum, udot(u, s))
 }
 
-/// The five kernels for one instruction set: `$features` enabled, `$add` its accumulating
+/// The four 4- and 5-bit kernels for one instruction set: `$features` enabled, `$add` its accumulating
 /// product of unsigned by signed bytes (each lane's four products added to the lane's i32).
 macro_rules! row_kernels {
     (
         $features:literal,
         $add:ident,
-        [$q8_0:ident, $q4_0:ident, $q4_1:ident, $q5_0:ident, $q5_1:ident]
+        [$q4_0:ident, $q4_1:ident, $q5_0:ident, $q5_1:ident]
     ) => {
-        #[target_feature(enable = $features)]
-        pub(super) fn $q8_0(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            // Signed × signed through the sign trick: |w| · (q with w's sign).
-            let accumulate = |sum, w, q| $add(sum, _mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
-            let finish = |total, isum, d, _, a: &Q8Block| add_scaled(total, d, a.d, isum);
-            let decode = |rows: &Rows8<'_>, at| byte_columns(rows, at + 2);
-            tiles(&rows, acts, out, 34, decode, accumulate, finish);
-        }
-
         #[target_feature(enable = $features)]
         pub(super) fn $q4_0(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
             let decode = |rows: &Rows8<'_>, at| nibble_columns(rows, at + 2);
@@ -368,8 +359,18 @@ macro_rules! row_kernels {
 row_kernels!(
     "avx2,fma,f16c",
     udot_add,
-    [q8_0_q8_x8, q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8]
+    [q4_0_q8_x8, q4_1_q8_x8, q5_0_q8_x8, q5_1_q8_x8]
 );
+
+/// Q8_0: signed × signed through the sign trick, |w| · (q with w's sign) (the unsigned operand
+/// of `maddubs` must stay small enough that a pair of products cannot saturate 16 bits).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q8_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+    let accumulate = |sum, w, q| udot_add(sum, _mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
+    let finish = |total, isum, d, _, a: &Q8Block| add_scaled(total, d, a.d, isum);
+    let decode = |rows: &Rows8<'_>, at| byte_columns(rows, at + 2);
+    tiles(&rows, acts, out, 34, decode, accumulate, finish);
+}
 
 /// [`udot`] in one instruction, on CPUs with AVX-512 VNNI (Ice Lake, Zen 4 and later): the same
 /// exact integer sums. With AVX-512VL enabled the compiler may also use the sixteen extra vector
@@ -391,13 +392,30 @@ row_kernels!(
     "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw",
     udot_add_vnni,
     [
-        q8_0_q8_x8_vnni,
         q4_0_q8_x8_vnni,
         q4_1_q8_x8_vnni,
         q5_0_q8_x8_vnni,
         q5_1_q8_x8_vnni
     ]
 );
+
+/// Q8_0 with VNNI: the weights made unsigned by flipping their sign bits (`w + 128`), whose
+/// products `vpdpbusd` sums without saturating, then `128 · Σq` taken off as for Q4_0; two
+/// instructions fewer per column and token than the sign trick.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+pub(super) fn q8_0_q8_x8_vnni(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+    let flip = _mm256_set1_epi8(i8::MIN);
+    let decode = |rows: &Rows8<'_>, at| {
+        let mut columns = byte_columns(rows, at + 2);
+        for c in &mut columns {
+            *c = _mm256_xor_si256(*c, flip);
+        }
+        columns
+    };
+    offset_tiles(&rows, acts, out, 34, 128, decode, |s, w, q| {
+        udot_add_vnni(s, w, q)
+    });
+}
 
 // ---- exact (f32 activation) kernels ------------------------------------------------------------
 
