@@ -336,7 +336,8 @@ fn axpy_q5_1(row: &[u8], a: f32, out: &mut [f32]) {
 }
 
 /// Quantises one block (`x.len() <= 32`, the rest taken as zeros): `d = amax / 127`,
-/// `q = round_ties_even(x / d)`, `sum = Σq`, `s = d · sum`. The AVX2 kernel computes the same bits.
+/// `q = round_ties_even(x / d)`, `sum = Σq`, `s = d · sum`. The AVX2 kernel computes the same
+/// bits.
 pub(super) fn quantize_block(x: &[f32], out: &mut Q8Block) {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;

@@ -322,8 +322,9 @@ pub(super) fn udot_add(sum: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_add_epi32(sum, udot(u, s))
 }
 
-/// The four 4- and 5-bit kernels for one instruction set: `$features` enabled, `$add` its accumulating
-/// product of unsigned by signed bytes (each lane's four products added to the lane's i32).
+/// The four 4- and 5-bit kernels for one instruction set: `$features` enabled, `$add` its
+/// accumulating product of unsigned by signed bytes (each lane's four products added to the
+/// lane's i32).
 macro_rules! row_kernels {
     (
         $features:literal,
