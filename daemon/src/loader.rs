@@ -239,6 +239,15 @@ impl LoadedModel {
         Some(exec.cache_bytes() as u64)
     }
 
+    /// Whether its sessions run on the GPU (backend `cuda`).
+    pub fn on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return true;
+        }
+        false
+    }
+
     /// A new conversation on this model, on the backend it was loaded for.
     pub fn open_session(
         &self,

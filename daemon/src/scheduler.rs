@@ -10,13 +10,16 @@
 //!    pass, and a round ends early when a more urgent generation arrives).
 //! 2. **Within a class, turns.** Every generation of the class takes one step per round, the
 //!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
-//!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through a dense model's batched pass, one token through a sparse
-//!    pipeline) or the forward pass of the token it emitted last. A long prompt therefore
-//!    cannot stall the others: it goes in pieces, interleaved with their decode steps.
+//!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through the batched pass; one
+//!    token at a time through a sparse pipeline on the GPU) or the forward pass of the token it
+//!    emitted last. A long prompt therefore cannot stall the others: it goes in pieces,
+//!    interleaved with their decode steps.
 //! 3. **One pass for many.** The steps of a round run together where they can: the CPU sessions
-//!    of one dense model share one pass over its weights, decode steps and prompt pieces alike,
-//!    up to `MAX_BATCH` tokens a pass ([`passes`]). Eight clients that send their prompts at
-//!    once thus get their first tokens from one or two passes, not eight.
+//!    of one model share one pass, decode steps and prompt pieces alike, up to `MAX_BATCH`
+//!    tokens a pass ([`passes`]). In `dense` mode that is one pass over the model's weights; in
+//!    a streaming mode the union of the chunks the pass's tokens need is read once and each chunk
+//!    is applied to every token that needs it. Eight clients that send their prompts at once
+//!    thus get their first tokens from one or two passes, not eight.
 //! 4. **Tokens out at once.** A sampled token is written to its pipe before any other forward
 //!    pass starts.
 //!
@@ -27,8 +30,9 @@
 //! FFN pipeline with the neuron cache (see [`crate::loader`]); each owns its KV cache.
 //!
 //! Errors: a forward pass that fails (in a streaming mode: a chunk that could not be read after
-//! the I/O workers' retries) ends only the generation it was for, with an `Internal` error
-//! event; the pipeline drops the failed token and serves the next pass as usual.
+//! the I/O workers' retries) ends only the generations it was for (all those of a shared pass),
+//! with an `Internal` error event; the pipeline drops the failed pass and serves the next one as
+//! usual.
 //!
 //! Token stream: each event is a [`StreamEvent`](leanstream::contract::StreamEvent) JSON line on the generation's pipe. The write
 //! end is non-blocking: a reader that does not keep up only pauses its own generation (the

@@ -73,8 +73,8 @@ const DOWN_PRECISION: Precision = Precision::Exact;
 /// streams the weights once per 32 tokens instead of once per token.
 pub const MAX_BATCH: usize = 32;
 
-/// Computes the FFN of one layer for one token, in place of the dense FFN (see
-/// [`Session::forward_with`]).
+/// Computes the FFN of one layer, in place of the dense FFN (see [`Session::forward_with`] and
+/// [`forward_each_with`]): for one token, or for the rows of a batch at once.
 pub trait FfnExecutor {
     /// Called before layer `l`'s attention with the residual stream `x` (`d_model` values): the
     /// earliest view of the layer's input, for speculation about this and later layers.
@@ -83,6 +83,25 @@ pub trait FfnExecutor {
     /// Writes the FFN output of layer `l` for the normalised input `xn` into `out` (both
     /// `d_model` values); the caller adds it to the residual stream.
     fn ffn(&mut self, l: usize, layer: &LayerWeights, xn: &[f32], out: &mut [f32]) -> Result<()>;
+
+    /// Writes the FFN outputs of layer `l` for every row of a batch: `xn` and `out` hold one
+    /// `d_model`-value row per token, in the same order. Each row's output must be what
+    /// [`FfnExecutor::ffn`] would give it; an executor overrides this to share work between the
+    /// rows (a streaming pipeline reads a chunk that several rows need once). By default, one row
+    /// after the other.
+    fn ffn_rows(
+        &mut self,
+        l: usize,
+        layer: &LayerWeights,
+        xn: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let d = layer.ffn_norm.len(); // one norm weight per model dimension
+        for (xn, out) in xn.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            self.ffn(l, layer, xn, out)?;
+        }
+        Ok(())
+    }
 }
 
 /// One conversation's state: its KV cache and position.
@@ -347,6 +366,33 @@ impl Session {
 /// each piece fits in its session's context; a session whose KV cache cannot grow errors with
 /// nothing run.
 pub fn forward_each(sessions: &mut [&mut Session], pieces: &[&[u32]]) -> Result<()> {
+    run_each(sessions, pieces, None)
+}
+
+/// Runs `pieces[i]` at the next positions of `sessions[i]` like [`forward_each`], with each
+/// layer's FFN computed by `exec` for all the pass's rows at once ([`FfnExecutor::ffn_rows`]):
+/// what a scheduler runs to advance several conversations of one sparse model together. A
+/// streaming pipeline then reads the union of the chunks the rows need once and applies each
+/// chunk to every row that needs it. Each row's output is what [`Session::forward_with`] would
+/// compute for it, up to the order in which arriving chunks are summed (the same bits when every
+/// chunk is cached).
+///
+/// Errors as [`forward_each`] does; an FFN error (a chunk that could not be read) fails the
+/// whole pass, with no session advanced.
+pub fn forward_each_with(
+    sessions: &mut [&mut Session],
+    pieces: &[&[u32]],
+    exec: &mut (dyn FfnExecutor + Send),
+) -> Result<()> {
+    run_each(sessions, pieces, Some(exec))
+}
+
+/// [`forward_each`] and [`forward_each_with`]: the dense FFN when `exec` is `None`.
+fn run_each(
+    sessions: &mut [&mut Session],
+    pieces: &[&[u32]],
+    exec: Option<&mut (dyn FfnExecutor + Send)>,
+) -> Result<()> {
     let invalid = |reason: String| Error::InvalidArgument {
         arg: "sessions",
         reason,
@@ -407,7 +453,10 @@ pub fn forward_each(sessions: &mut [&mut Session], pieces: &[&[u32]]) -> Result<
     let tokens = pieces.concat();
     cpu::on_pool(|| {
         pass.embed(&tokens)?;
-        pass.layers()?;
+        match exec {
+            Some(exec) => pass.layers_with(exec)?,
+            None => pass.layers()?,
+        }
         pass.head(&last_rows)
     })?;
     for (s, piece) in sessions.iter_mut().zip(pieces) {

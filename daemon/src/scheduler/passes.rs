@@ -6,15 +6,16 @@ use std::sync::Arc;
 
 use leanstream::contract::Priority;
 use leanstream_engine::backend::cpu::Precision;
-use leanstream_engine::forward::{MAX_BATCH, Session, forward_each};
+use leanstream_engine::forward::{MAX_BATCH, Session, forward_each, forward_each_with};
 use leanstream_engine::generate::{Decode, Next};
+use leanstream_engine::pipeline::Executor;
 
 use super::run::{Failure, Room, Run};
 use super::{Entry, LoadedModel, Worker};
 use crate::memory::SessionId;
 
-/// What sessions must share to run in one pass: the same loaded model (by address) and the same
-/// CPU precision.
+/// What sessions must share to run in one pass: the same loaded model (by address: its weights
+/// and, in a sparse mode, its pipeline) and the same CPU precision.
 type BatchKey = (usize, Precision);
 
 /// One generation's step in a pass: `tokens` of its prompt, or 1 for a decode step.
@@ -45,13 +46,14 @@ struct Stepped<'a> {
 
 impl Worker {
     /// The step generation `id` wants next, with the most tokens it may take in one pass: a
-    /// decode step is one token; a prompt goes in pieces of up to [`MAX_BATCH`] tokens through a
-    /// dense model's batched pass, one token at a time through a sparse pipeline. `None` when it
-    /// has no forward pass to run (ending, or a token waiting to be written).
+    /// decode step is one token; a prompt goes in pieces of up to [`MAX_BATCH`] tokens through
+    /// the batched pass, dense or sparse, except through a sparse pipeline on the GPU (one token
+    /// at a time there). `None` when it has no forward pass to run (ending, or a token waiting to
+    /// be written).
     pub(super) fn wanted(&self, id: SessionId) -> Option<Step> {
         let s = self.sessions.get(&id)?;
         let tokens = match s.run.as_ref()?.stepper.next() {
-            Next::Prefill(_) if s.model.ffn.is_some() => 1,
+            Next::Prefill(_) if s.model.ffn.is_some() && s.model.on_gpu() => 1,
             Next::Prefill(rest) => rest.len().min(MAX_BATCH),
             Next::Forward(_) => 1,
             Next::Emit(_) | Next::Done(_) => return None,
@@ -59,10 +61,11 @@ impl Worker {
         Some(Step { id, tokens })
     }
 
-    /// Groups the steps of a round (in turn order) into passes: the CPU sessions of one dense
-    /// model and precision share a pass, at most [`batch_limit`]`(class)` sessions and
-    /// [`MAX_BATCH`] tokens a pass; a prompt piece that does not fit whole in a pass's room is
-    /// cut to it (the rest goes in a later round). Others (a sparse pipeline, the GPU) run alone.
+    /// Groups the steps of a round (in turn order) into passes: the CPU sessions of one model
+    /// and precision share a pass, dense or through the model's sparse pipeline, at most
+    /// [`batch_limit`]`(class)` sessions and [`MAX_BATCH`] tokens a pass; a prompt piece that
+    /// does not fit whole in a pass's room is cut to it (the rest goes in a later round). GPU
+    /// sessions run alone.
     pub(super) fn batches(&mut self, steps: Vec<Step>, class: Priority) -> Vec<Vec<Step>> {
         let limit = batch_limit(class);
         let mut passes: Vec<(Option<BatchKey>, Vec<Step>)> = Vec::new();
@@ -70,11 +73,9 @@ impl Worker {
             let Some(s) = self.sessions.get_mut(&step.id) else {
                 continue;
             };
-            let dense = s.model.ffn.is_none();
             let key = s
                 .session
                 .as_cpu()
-                .filter(|_| dense)
                 .map(|cpu| (Arc::as_ptr(&s.model) as usize, cpu.precision()));
             let room = |steps: &[Step]| MAX_BATCH - steps.iter().map(|s| s.tokens).sum::<usize>();
             match passes.iter_mut().find(|(k, steps)| {
@@ -160,16 +161,23 @@ impl Stepped<'_> {
     }
 }
 
-/// One pass of [`forward_each`] for every session of `ready` (CPU sessions of one dense model).
+/// One pass for every session of `ready` (CPU sessions of one model): [`forward_each`], or
+/// [`forward_each_with`] the model's sparse pipeline, which then reads each chunk that any of
+/// them needs once. An error (a chunk that could not be read) ends every generation of the pass.
 fn run_together(ready: &mut [Due<'_>]) {
     // The pieces are copied out: the sessions are borrowed mutably beside them.
     let pieces: Vec<Vec<u32>> = ready.iter().map(|d| d.step.piece.clone()).collect();
     let pieces: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
+    let model: &LoadedModel = ready[0].step.model;
     let mut cpu: Vec<&mut Session> = ready
         .iter_mut()
         .filter_map(|d| d.session.as_cpu())
         .collect();
-    if let Err(e) = forward_each(&mut cpu, &pieces) {
+    let ran = match &model.ffn {
+        Some(ffn) => forward_each_with(&mut cpu, &pieces, &mut *lock(ffn)),
+        None => forward_each(&mut cpu, &pieces),
+    };
+    if let Err(e) = ran {
         tracing::error!("batched pass failed: {e}");
         for d in ready.iter_mut() {
             d.step.run.end_with_error("Internal", &e.to_string());
@@ -205,22 +213,30 @@ fn batch_limit(class: Priority) -> usize {
 const BACKGROUND_BATCH: usize = 4;
 
 /// Runs `piece` (its KV room already reserved) on `session` alone: through the model's sparse
-/// FFN pipeline when it has one (a piece is then one token), else its batched pass. Returns the
-/// last token's logits.
+/// FFN pipeline when it has one, else its batched pass. Returns the last token's logits.
 fn run_alone<'s>(
     model: &LoadedModel,
     session: &'s mut dyn Decode,
     piece: &[u32],
 ) -> Result<&'s mut [f32], Failure> {
-    Ok(match (&model.ffn, piece) {
-        // A panic while the scheduler held the lock would have ended this thread, so a poisoned
-        // lock cannot be seen here; take it anyway rather than add a panic path.
-        (Some(ffn), &[token]) => session.forward_with(
-            token,
-            &mut *ffn
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )?,
-        _ => session.forward_batch(piece)?,
-    })
+    let Some(ffn) = &model.ffn else {
+        return Ok(session.forward_batch(piece)?);
+    };
+    let mut exec = lock(ffn);
+    if let &[token] = piece {
+        return Ok(session.forward_with(token, &mut *exec)?);
+    }
+    let cpu = session
+        .as_cpu()
+        .expect("wanted() gives a GPU session in a sparse mode one token at a time");
+    forward_each_with(&mut [&mut *cpu], &[piece], &mut *exec)?;
+    Ok(cpu.logits())
+}
+
+/// The model's sparse pipeline, for one pass. A panic while the scheduler held the lock would
+/// have ended this thread, so a poisoned lock cannot be seen here; take it anyway rather than add
+/// a panic path.
+fn lock(ffn: &std::sync::Mutex<Executor>) -> std::sync::MutexGuard<'_, Executor> {
+    ffn.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

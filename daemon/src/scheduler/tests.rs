@@ -365,40 +365,49 @@ fn done_stats(events: &[StreamEvent]) -> &StreamStats {
 #[test]
 fn sessions_running_together_share_passes_and_keep_their_tokens() {
     let fx = Fixture::new();
-    let file = fx.gguf("tiny");
-    let model = Arc::new(load(&fx, &file, ""));
-    let prompts = [PROMPT, "a bird sang", "one two three four five six"];
-    let alone: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| ids(&generate(&[(&model, p)])[0]))
-        .collect();
-    let runs: Vec<(&Arc<LoadedModel>, &str)> = prompts.iter().map(|p| (&model, *p)).collect();
-    let together = generate(&runs);
-    let (mut shared, mut shared_prompts) = (0, 0);
-    for (i, events) in together.iter().enumerate() {
-        assert_eq!(
-            ids(events),
-            alone[i],
-            "session {i}'s tokens beside the others"
+    let dense = Arc::new(load(&fx, &fx.gguf("tiny"), ""));
+    // Half the chunks cached: the pipeline reads while the pass runs.
+    let toml = "[models.tiny]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 0.5\n";
+    let streaming = Arc::new(load(&fx, &fx.lsm("tiny", None), toml));
+    for model in [&dense, &streaming] {
+        let mode = if model.ffn.is_some() {
+            "leanstream"
+        } else {
+            "dense"
+        };
+        let prompts = [PROMPT, "a bird sang", "one two three four five six"];
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| ids(&generate(&[(model, p)])[0]))
+            .collect();
+        let runs: Vec<(&Arc<LoadedModel>, &str)> = prompts.iter().map(|p| (model, *p)).collect();
+        let together = generate(&runs);
+        let (mut shared, mut shared_prompts) = (0, 0);
+        for (i, events) in together.iter().enumerate() {
+            assert_eq!(
+                ids(events),
+                alone[i],
+                "{mode}: session {i}'s tokens beside the others"
+            );
+            shared += done_stats(events).shared_decode_passes;
+            shared_prompts += done_stats(events).shared_prompt_passes;
+        }
+        for events in generate(&runs[..1]) {
+            let stats = done_stats(&events);
+            assert_eq!(
+                (stats.shared_decode_passes, stats.shared_prompt_passes),
+                (0, 0),
+                "{mode}: alone"
+            );
+        }
+        // All three start within one round of each other: most of their passes are shared,
+        // their prompts' included.
+        assert!(shared >= TOKENS, "{mode}: shared passes: {shared}");
+        assert!(
+            shared_prompts >= 2,
+            "{mode}: shared prompt passes: {shared_prompts}"
         );
-        shared += done_stats(events).shared_decode_passes;
-        shared_prompts += done_stats(events).shared_prompt_passes;
     }
-    for events in generate(&runs[..1]) {
-        let stats = done_stats(&events);
-        assert_eq!(
-            (stats.shared_decode_passes, stats.shared_prompt_passes),
-            (0, 0),
-            "alone"
-        );
-    }
-    // All three start within one round of each other: most of their passes are shared, their
-    // prompts' included.
-    assert!(shared >= TOKENS, "shared passes: {shared}");
-    assert!(
-        shared_prompts >= 2,
-        "shared prompt passes: {shared_prompts}"
-    );
 }
 
 #[test]

@@ -69,7 +69,8 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// Every layer, the FFN of each row computed by `exec` (the sparse pipelines).
+    /// Every layer, the FFN of the batch's rows computed by `exec` (the sparse pipelines), all
+    /// rows in one call.
     pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor) -> Result<()> {
         let c = &self.model.weights.config;
         let (d, eps, n) = (c.d_model, c.rms_eps, self.rows.len());
@@ -80,17 +81,13 @@ impl Pass<'_> {
             }
             self.attention(l, &layer);
             let s = &mut *self.work;
-            for t in 0..n {
-                let (x, xn, out) = (
-                    &mut s.x[t * d..(t + 1) * d],
-                    &mut s.xn[t * d..(t + 1) * d],
-                    &mut s.proj[t * d..(t + 1) * d],
-                );
+            let (x, xn, out) = (&mut s.x[..n * d], &mut s.xn[..n * d], &mut s.proj[..n * d]);
+            for (xn, x) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
-                exec.ffn(l, &layer, xn, out)?;
-                norm_rows(&layer.post_ffn_norm, out, d, eps);
-                cpu::add_inplace(x, out);
             }
+            exec.ffn_rows(l, &layer, xn, out)?;
+            norm_rows(&layer.post_ffn_norm, out, d, eps);
+            cpu::add_inplace(x, out);
         }
         Ok(())
     }

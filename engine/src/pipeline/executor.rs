@@ -180,4 +180,17 @@ impl FfnExecutor for Executor {
             Executor::Streaming(e) => e.ffn(l, layer, xn, out),
         }
     }
+
+    fn ffn_rows(
+        &mut self,
+        l: usize,
+        layer: &LayerWeights,
+        xn: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        match self {
+            Executor::Mmap(e) => e.ffn_rows(l, layer, xn, out),
+            Executor::Streaming(e) => e.ffn_rows(l, layer, xn, out),
+        }
+    }
 }

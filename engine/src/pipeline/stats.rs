@@ -5,7 +5,8 @@
 pub struct PipelineStats {
     /// Tokens run (each through every layer).
     pub tokens: u64,
-    /// Chunks the exact selection asked for (summed over layers and tokens).
+    /// Chunks the exact selection asked for, summed over layers and passes: a chunk that several
+    /// rows of one pass need counts once (it is read and looked up once).
     pub chunks_needed: u64,
     /// Needed chunks that were in the cache before the token started.
     pub hits: u64,

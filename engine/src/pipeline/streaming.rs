@@ -31,7 +31,7 @@ use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::cache::{Evict, Lookup, NeuronCache};
-use crate::forward::FfnExecutor;
+use crate::forward::{FfnExecutor, MAX_BATCH};
 use crate::io::{ChunkCheck, Completion, IoEngine, ReadRequest};
 use crate::model::LayerWeights;
 use crate::model::lsm::ChunkId;
@@ -137,6 +137,10 @@ fn read_priority(n_layers: usize, l: usize, margin: f32, needed_now: bool) -> f3
     band + if needed_now { 600.0 } else { 0.0 } + 400.0 * squashed
 }
 
+/// The rows of a forward pass (at most [`MAX_BATCH`]) that need a chunk: bit `t` for row `t`.
+type Rows = u64;
+const _: () = assert!(MAX_BATCH <= Rows::BITS as usize);
+
 /// A generation's FFN through the neuron cache, for one model. Owned by the one thread that runs
 /// the model's sessions.
 pub struct StreamingFfn {
@@ -157,15 +161,19 @@ pub struct StreamingFfn {
     /// Count predictor recall against dense activations (measurement passes only).
     pub measure_recall: bool,
     stats: PipelineStats,
-    tick: f32,             // accesses so far, the LRU clock
-    activity: Vec<f32>,    // (total chunks) average of "any neuron active" when computed
-    speculated: Vec<u32>,  // (n_layers) token count at which a layer was last speculated
-    xn: Vec<f32>,          // (d_model) speculative input of a later layer
-    margins: Vec<f32>,     // (chunks_per_layer)
-    h: Vec<f32>,           // (n_ff)
-    acts: QuantizedActs,   // (d_model) for Fast
-    needed: Vec<usize>,    // chunks of this layer still to compute
-    ready: Vec<usize>,     // chunks of this layer ready to compute in this stage
+    tick: f32,                // accesses so far, the LRU clock
+    activity: Vec<f32>,       // (total chunks) average of "any neuron active" when computed
+    speculated: Vec<u32>,     // (n_layers) token count at which a layer was last speculated
+    xn: Vec<f32>,             // (d_model) speculative input of a later layer
+    margins: Vec<f32>,        // (chunks_per_layer) the best margin any row of the pass gives
+    row_margins: Vec<f32>,    // (MAX_BATCH, chunks_per_layer) each row's own margins
+    rows_of: Vec<Rows>,       // (chunks_per_layer) the rows of the pass that need each chunk
+    h: Vec<f32>,              // (n_ff)
+    acts: Vec<QuantizedActs>, // (rows of the pass, d_model) for Fast
+    needed: Vec<usize>,       // chunks of this layer still to compute (for any row)
+    ready: Vec<usize>,        // chunks of this layer ready to compute in this stage
+    subset: Vec<usize>,       // the ready chunks one row needs
+    any_active: Vec<bool>, // (chunks_per_layer) Refined: a chunk had an active neuron in some row
     done: Vec<Completion>, // completions being processed
     failed: Option<(ChunkId, Error)>,
 }
@@ -216,11 +224,15 @@ impl StreamingFfn {
             speculated: vec![u32::MAX; l.n_layers],
             xn: vec![0.0; l.d_model],
             margins: vec![0.0; l.chunks_per_layer],
+            row_margins: vec![0.0; MAX_BATCH * l.chunks_per_layer],
+            rows_of: vec![0; l.chunks_per_layer],
             h: vec![0.0; l.n_ff],
             compute: Box::new(CpuChunks::new(l.d_model)),
-            acts: QuantizedActs::new(l.d_model),
+            acts: Vec::new(),
             needed: Vec::with_capacity(l.chunks_per_layer),
             ready: Vec::with_capacity(l.chunks_per_layer),
+            subset: Vec::with_capacity(l.chunks_per_layer),
+            any_active: vec![false; l.chunks_per_layer],
             done: Vec::with_capacity(l.total_chunks()),
             failed: None,
             sm,
@@ -416,53 +428,70 @@ impl StreamingFfn {
         }
     }
 
-    /// Computes the chunks in `self.ready` (all Ready and pinned) into `out`, then unpins them and
-    /// updates their retention from what the activations showed. On an error (a GPU failure)
-    /// the chunks are unpinned and the error returned.
+    /// Computes the chunks in `self.ready` (all Ready and pinned): each row of the pass (`xn`
+    /// and `out` hold one `d_model`-value row per token) gets the ones it needs, in the same
+    /// order as alone. Then unpins them and updates their retention from what the activations
+    /// showed. On an error (a GPU failure) the chunks are unpinned and the error returned.
     fn compute_ready(&mut self, l: usize, xn: &[f32], out: &mut [f32]) -> Result<()> {
         if self.ready.is_empty() {
             return Ok(());
         }
         let sm = &*self.sm;
         let layout = &sm.layout;
-        let fast = (self.precision == Precision::Fast).then_some(&self.acts);
-        let math = ChunkMath {
-            layout,
-            kernels: Kernels::best(),
-            activation: sm.model.weights.config.activation,
-            threshold: sm.thresholds[l],
-            fast,
-        };
+        let d = layout.d_model;
+        let refined = self.policy.retention == Retention::Refined;
         let cache = &self.cache;
         let bytes_of = |c: usize| match cache.lookup(layout.id(l, c)) {
             Lookup::Ready(slot) => cache.data(slot),
             _ => unreachable!("chunk {c} of layer {l} is computed only when Ready and pinned"),
         };
-        let computed = self
-            .compute
-            .compute(&math, l, &self.ready, &bytes_of, xn, &mut self.h, out);
-        let active = match computed {
-            Ok(n) => n,
-            Err(e) => {
-                for &c in &self.ready {
-                    self.cache.unpin(layout.id(l, c));
-                }
-                self.ready.clear();
-                return Err(e);
+        let mut result = Ok(());
+        let rows = xn.chunks_exact(d).zip(out.chunks_exact_mut(d));
+        for (t, (xn, out)) in rows.enumerate() {
+            self.subset.clear();
+            let mine = |&&c: &&usize| self.rows_of[c] & (1 << t) != 0;
+            self.subset.extend(self.ready.iter().filter(mine));
+            if self.subset.is_empty() {
+                continue;
             }
-        };
-        self.stats.active_neurons += active as u64;
-        let refined = self.policy.retention == Retention::Refined;
+            let math = ChunkMath {
+                layout,
+                kernels: Kernels::best(),
+                activation: sm.model.weights.config.activation,
+                threshold: sm.thresholds[l],
+                fast: (self.precision == Precision::Fast).then(|| &self.acts[t]),
+            };
+            let computed =
+                self.compute
+                    .compute(&math, l, &self.subset, &bytes_of, xn, &mut self.h, out);
+            match computed {
+                Ok(active) => self.stats.active_neurons += active as u64,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            for &c in &self.subset {
+                let r = layout.neurons(c);
+                self.stats.computed_neurons += r.len() as u64;
+                if refined {
+                    self.any_active[c] |= self.h[r].iter().any(|&a| a != 0.0);
+                }
+            }
+        }
         for &c in &self.ready {
             let id = layout.id(l, c);
-            let r = layout.neurons(c);
-            self.stats.computed_neurons += r.len() as u64;
-            if refined {
-                let any = self.h[r].iter().any(|&a| a != 0.0);
-                let a = &mut self.activity[id as usize];
-                *a = 0.5 * *a + if any { 0.5 } else { 0.0 };
-            }
             self.cache.unpin(id);
+            if refined && result.is_ok() {
+                let a = &mut self.activity[id as usize];
+                *a = 0.5 * *a + if self.any_active[c] { 0.5 } else { 0.0 };
+                self.any_active[c] = false;
+            }
+        }
+        if result.is_err() {
+            self.any_active.fill(false);
+            self.ready.clear();
+            return result;
         }
         self.tick += 1.0;
         // Calibrated frequency never changes: the value set at `reserve` stands.
@@ -508,28 +537,76 @@ impl FfnExecutor for StreamingFfn {
     }
 
     fn ffn(&mut self, l: usize, layer: &LayerWeights, xn: &[f32], out: &mut [f32]) -> Result<()> {
+        self.ffn_rows(l, layer, xn, out)
+    }
+
+    /// The rows of a pass at once: each row's exact selection, and the union of them read and
+    /// computed as one layer's needs, each chunk applied to every row that selected it. Hits,
+    /// misses and `chunks_needed` count each chunk of the union once (it is read once);
+    /// `computed_neurons` and `active_neurons` count every row's work.
+    fn ffn_rows(
+        &mut self,
+        l: usize,
+        layer: &LayerWeights,
+        xn: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let n_layers = self.sm.layout.n_layers;
+        let (d, cpl) = (self.sm.layout.d_model, self.sm.layout.chunks_per_layer);
+        let n = xn.len() / d;
+        assert!(
+            (1..=MAX_BATCH).contains(&n) && xn.len() == n * d && out.len() == n * d,
+            "{} inputs and {} outputs are not 1..={MAX_BATCH} rows of {d}",
+            xn.len(),
+            out.len()
+        );
         let t = Instant::now();
-        self.selector
-            .margins(&self.sm.layout, l, xn, &mut self.margins);
+        for (xn, m) in xn
+            .chunks_exact(d)
+            .zip(self.row_margins.chunks_exact_mut(cpl))
+        {
+            self.selector.margins(&self.sm.layout, l, xn, m);
+        }
         self.stats.predict_ns += t.elapsed().as_nanos() as u64;
         if self.measure_recall {
             let sm = Arc::clone(&self.sm);
-            super::recall::count(
-                &sm.layout,
-                layer,
-                sm.model.weights.config.activation,
-                sm.thresholds[l],
-                xn,
-                &self.margins,
-                &mut self.h,
-                &mut self.stats,
-            );
+            let rows = xn.chunks_exact(d).zip(self.row_margins.chunks_exact(cpl));
+            for (xn, margins) in rows {
+                super::recall::count(
+                    &sm.layout,
+                    layer,
+                    sm.model.weights.config.activation,
+                    sm.thresholds[l],
+                    xn,
+                    margins,
+                    &mut self.h,
+                    &mut self.stats,
+                );
+            }
         }
         if self.precision == Precision::Fast {
-            self.acts.quantize(xn);
+            while self.acts.len() < n {
+                self.acts.push(QuantizedActs::new(d));
+            }
+            for (acts, xn) in self.acts.iter_mut().zip(xn.chunks_exact(d)) {
+                acts.quantize(xn);
+            }
         }
         out.fill(0.0);
+        // Per chunk: the rows that select it, and the best margin among them (what its read
+        // priority and a cancellation go by).
+        for c in 0..cpl {
+            let (mut rows, mut best) = (0, f32::NEG_INFINITY);
+            for t in 0..n {
+                let m = self.row_margins[t * cpl + c];
+                best = best.max(m);
+                if m >= 0.0 {
+                    rows |= 1 << t;
+                }
+            }
+            self.rows_of[c] = rows;
+            self.margins[c] = best;
+        }
 
         // The exact selection: count hits and misses, cancel what it dropped, and make sure
         // everything it needs is cached or on its way (urgently).

@@ -24,5 +24,6 @@ mod planned_model;
 mod quant_blocks;
 mod real_model;
 mod streamed_integrity;
+mod streaming_batch;
 mod tiny_models;
 mod tokenizer_real;
