@@ -10,8 +10,10 @@
 //! system prompt cold, shared with an open session, and from the model's prefix store.
 //! Prints a table; writes JSON to the path given as the first argument, if any.
 //!
-//! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json] [exact|fast]`
-//! (the second argument is the daemon's `[engine] precision`, exact by default)
+//! `cargo run --profile test -p leanstream-e2e --example concurrency [out.json] [exact|fast] [LSM]`
+//! (the second argument is the daemon's `[engine] precision`, exact by default; a calibrated
+//! `.lsm` file as the third is served instead of the `.gguf`, in `leanstream` mode with a neuron
+//! cache of half its streamed FFN, so that the FFN streams from storage while clients run)
 //! (the test profile: the harness builds the daemon with it and looks for it next to this binary;
 //! `LEANSTREAMD_BIN` runs another daemon binary against the same clients: the release build for
 //! the product's numbers, as the test profile's debug assertions make a token ~2.5× slower, or
@@ -204,6 +206,8 @@ fn main() -> anyhow::Result<()> {
         Some("fast") => "fast",
         Some(other) => anyhow::bail!("precision {other:?}: exact or fast"),
     };
+    let lsm = std::env::args().nth(3).map(std::path::PathBuf::from);
+    let mode = if lsm.is_some() { "leanstream" } else { "dense" };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -217,6 +221,11 @@ fn main() -> anyhow::Result<()> {
             max_context: 512,
             max_tokens: 256,
             precision,
+            extra: match lsm {
+                Some(_) => format!("[models.{MODEL}]\nmode = \"{mode}\"\ncache_share = 0.5\n"),
+                None => String::new(),
+            },
+            lsm,
             ..DaemonConfig::default()
         };
         let _daemon = Daemon::start(&bus, &config).await?;
@@ -230,7 +239,7 @@ fn main() -> anyhow::Result<()> {
 
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!(
-            "{} prompts, greedy, {TOKENS} tokens, {precision} precision, {cores} cores",
+            "{} prompts, greedy, {TOKENS} tokens, {mode} mode, {precision} precision, {cores} cores",
             PROMPTS.len()
         );
         println!(
@@ -309,6 +318,7 @@ fn main() -> anyhow::Result<()> {
                 "max_tokens": TOKENS,
                 "budget": config.budget,
                 "precision": precision,
+                "mode": mode,
                 "cores": cores,
                 "rows": rows,
                 "realtime": {

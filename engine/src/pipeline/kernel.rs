@@ -1,5 +1,6 @@
 //! The sparse FFN over neuron chunks: each chunk adds its neurons' share of the output, so chunks
-//! can be computed in any order, as they arrive.
+//! can be computed as they arrive; the streaming pipeline sums them in fixed blocks ([`Unit`])
+//! so that the result does not depend on the order.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -95,53 +96,67 @@ impl ChunkMath<'_> {
     }
 }
 
+/// The fixed blocks a layer's chunks are summed in by the streaming pipeline (see its `blocks`
+/// module): a stage computes at most this many units per row.
+pub const BLOCKS: usize = 16;
+
+/// One row's share of a stage: `chunks` of one layer (ascending, all within one block of
+/// neurons) computed for the input `x` in list order into `out`, which the caller has zeroed; the
+/// neurons' activations go to `h`, which covers the neurons from `h_start` on (the block's).
+/// Because a unit's sum starts from zero and runs in a fixed order, its result does not depend on
+/// when its chunks arrived or on what else the stage computes.
+#[derive(Debug)]
+pub struct Unit<'a> {
+    /// The layer's math, with this row's quantised input in `fast`.
+    pub math: ChunkMath<'a>,
+    pub chunks: &'a [usize],
+    pub x: &'a [f32],
+    pub h: &'a mut [f32],
+    pub h_start: usize,
+    pub out: &'a mut [f32],
+}
+
+impl Unit<'_> {
+    /// Computes the unit on the calling thread; returns its active neurons.
+    pub fn run<'b>(&mut self, bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync)) -> usize {
+        let mut active = 0;
+        for &c in self.chunks {
+            let r = self.math.layout.neurons(c);
+            let h = &mut self.h[r.start - self.h_start..r.end - self.h_start];
+            active += self.math.chunk(c, bytes_of(c), self.x, h, self.out);
+        }
+        active
+    }
+}
+
 /// Where a stage of chunk computations runs: the CPU compute pool ([`CpuChunks`]) or, with
 /// feature `cuda`, the GPU (`backend::cuda::CudaChunks`). The streaming pipeline hands each
-/// stage's arrived chunks to one of these.
+/// stage's units to one of these.
 pub trait ChunkCompute: Send + std::fmt::Debug {
-    /// As [`ChunkMath::chunks`]: computes the listed chunks of layer `l` (no chunk twice),
-    /// whose stored bytes `bytes_of(c)` gives (a Ready cache slot), adding their sum to `out`
-    /// and writing their neurons' activations into `h` (`n_ff` values). Returns the number of
-    /// active neurons.
-    #[allow(clippy::too_many_arguments)]
+    /// Computes every unit of a stage of layer `l` (see [`Unit`]), whose chunks' stored bytes
+    /// `bytes_of(c)` gives (Ready cache slots). Returns the number of active neurons.
     fn compute<'b>(
         &mut self,
-        math: &ChunkMath<'_>,
         l: usize,
-        chunks: &[usize],
+        units: &mut [Unit<'_>],
         bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
-        x: &[f32],
-        h: &mut [f32],
-        out: &mut [f32],
     ) -> crate::Result<usize>;
 }
 
-/// Chunk computations on the CPU compute pool, with one partial sum per task.
-#[derive(Debug)]
-pub struct CpuChunks {
-    partials: Vec<f32>, // (n_parts, d_model)
-}
-
-impl CpuChunks {
-    /// Scratch for `d_model`-wide outputs, one partial sum per compute thread.
-    pub fn new(d_model: usize) -> CpuChunks {
-        CpuChunks {
-            partials: vec![0.0; rayon::current_num_threads().max(1) * d_model],
-        }
-    }
-}
+/// Chunk computations on the CPU compute pool, one unit per task.
+#[derive(Debug, Default)]
+pub struct CpuChunks;
 
 impl ChunkCompute for CpuChunks {
     fn compute<'b>(
         &mut self,
-        math: &ChunkMath<'_>,
         _l: usize,
-        chunks: &[usize],
+        units: &mut [Unit<'_>],
         bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
-        x: &[f32],
-        h: &mut [f32],
-        out: &mut [f32],
     ) -> crate::Result<usize> {
-        Ok(math.chunks(chunks, bytes_of, x, h, &mut self.partials, out))
+        use rayon::prelude::*;
+        Ok(cpu::on_pool(|| {
+            units.par_iter_mut().map(|u| u.run(bytes_of)).sum()
+        }))
     }
 }

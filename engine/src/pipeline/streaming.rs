@@ -19,6 +19,7 @@
 //!    reads. Retaining by observed activity as well (`Retention::Refined`) reads fewer bytes but
 //!    scatters the cache, and measured slower (the bench's ablation shows both).
 
+mod blocks;
 mod resize;
 
 use std::sync::Arc;
@@ -36,6 +37,7 @@ use crate::io::{ChunkCheck, Completion, IoEngine, ReadRequest};
 use crate::model::LayerWeights;
 use crate::model::lsm::ChunkId;
 use crate::{Error, Result};
+use blocks::Blocks;
 
 /// What the cache keeps when it must evict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,13 +170,12 @@ pub struct StreamingFfn {
     margins: Vec<f32>,        // (chunks_per_layer) the best margin any row of the pass gives
     row_margins: Vec<f32>,    // (MAX_BATCH, chunks_per_layer) each row's own margins
     rows_of: Vec<Rows>,       // (chunks_per_layer) the rows of the pass that need each chunk
-    h: Vec<f32>,              // (n_ff)
+    h: Vec<f32>,              // (n_ff) recall measurement scratch
     acts: Vec<QuantizedActs>, // (rows of the pass, d_model) for Fast
-    needed: Vec<usize>,       // chunks of this layer still to compute (for any row)
-    ready: Vec<usize>,        // chunks of this layer ready to compute in this stage
-    subset: Vec<usize>,       // the ready chunks one row needs
-    any_active: Vec<bool>, // (chunks_per_layer) Refined: a chunk had an active neuron in some row
-    done: Vec<Completion>, // completions being processed
+    needed: Vec<usize>,       // chunks of this layer not yet Ready (for any row)
+    ready: Vec<usize>,        // chunks of this layer Ready and pinned, not yet computed
+    blocks: Blocks,           // the fixed-order sums of this layer
+    done: Vec<Completion>,    // completions being processed
     failed: Option<(ChunkId, Error)>,
 }
 
@@ -227,12 +228,11 @@ impl StreamingFfn {
             row_margins: vec![0.0; MAX_BATCH * l.chunks_per_layer],
             rows_of: vec![0; l.chunks_per_layer],
             h: vec![0.0; l.n_ff],
-            compute: Box::new(CpuChunks::new(l.d_model)),
+            compute: Box::new(CpuChunks),
             acts: Vec::new(),
             needed: Vec::with_capacity(l.chunks_per_layer),
             ready: Vec::with_capacity(l.chunks_per_layer),
-            subset: Vec::with_capacity(l.chunks_per_layer),
-            any_active: vec![false; l.chunks_per_layer],
+            blocks: Blocks::new(l),
             done: Vec::with_capacity(l.total_chunks()),
             failed: None,
             sm,
@@ -428,81 +428,77 @@ impl StreamingFfn {
         }
     }
 
-    /// Computes the chunks in `self.ready` (all Ready and pinned): each row of the pass (`xn`
-    /// and `out` hold one `d_model`-value row per token) gets the ones it needs, in the same
-    /// order as alone. Then unpins them and updates their retention from what the activations
-    /// showed. On an error (a GPU failure) the chunks are unpinned and the error returned.
-    fn compute_ready(&mut self, l: usize, xn: &[f32], out: &mut [f32]) -> Result<()> {
-        if self.ready.is_empty() {
-            return Ok(());
-        }
+    /// Computes the blocks whose chunks are all in (see [`blocks`]) for the rows of the pass
+    /// (`xn` holds one `d_model`-value row per token), then unpins their chunks and updates
+    /// their retention from what the activations showed. On an error (a GPU failure) every
+    /// pinned chunk is unpinned and the error returned.
+    fn compute_ready(&mut self, l: usize, xn: &[f32]) -> Result<()> {
         let sm = &*self.sm;
         let layout = &sm.layout;
-        let d = layout.d_model;
-        let refined = self.policy.retention == Retention::Refined;
+        let math = ChunkMath {
+            layout,
+            kernels: Kernels::best(),
+            activation: sm.model.weights.config.activation,
+            threshold: sm.thresholds[l],
+            fast: None,
+        };
+        let acts = (self.precision == Precision::Fast).then_some(&self.acts[..]);
         let cache = &self.cache;
         let bytes_of = |c: usize| match cache.lookup(layout.id(l, c)) {
             Lookup::Ready(slot) => cache.data(slot),
             _ => unreachable!("chunk {c} of layer {l} is computed only when Ready and pinned"),
         };
-        let mut result = Ok(());
-        let rows = xn.chunks_exact(d).zip(out.chunks_exact_mut(d));
-        for (t, (xn, out)) in rows.enumerate() {
-            self.subset.clear();
-            let mine = |&&c: &&usize| self.rows_of[c] & (1 << t) != 0;
-            self.subset.extend(self.ready.iter().filter(mine));
-            if self.subset.is_empty() {
-                continue;
-            }
-            let math = ChunkMath {
-                layout,
-                kernels: Kernels::best(),
-                activation: sm.model.weights.config.activation,
-                threshold: sm.thresholds[l],
-                fast: (self.precision == Precision::Fast).then(|| &self.acts[t]),
-            };
-            let computed =
-                self.compute
-                    .compute(&math, l, &self.subset, &bytes_of, xn, &mut self.h, out);
-            match computed {
-                Ok(active) => self.stats.active_neurons += active as u64,
-                Err(e) => {
-                    result = Err(e);
-                    break;
+        let computed = self.blocks.compute_complete(
+            l,
+            &self.rows_of,
+            &math,
+            acts,
+            xn,
+            self.compute.as_mut(),
+            &bytes_of,
+        );
+        match computed {
+            Ok(active) => self.stats.active_neurons += active as u64,
+            Err(e) => {
+                for &c in &self.ready {
+                    self.cache.unpin(layout.id(l, c));
                 }
+                self.ready.clear();
+                return Err(e);
             }
-            for &c in &self.subset {
-                let r = layout.neurons(c);
-                self.stats.computed_neurons += r.len() as u64;
+        }
+        if self.blocks.computed().is_empty() {
+            return Ok(());
+        }
+        let refined = self.policy.retention == Retention::Refined;
+        for i in 0..self.blocks.computed().len() {
+            for c in self.blocks.chunks(self.blocks.computed()[i]) {
+                let rows = self.rows_of[c];
+                if rows == 0 {
+                    continue;
+                }
+                let id = layout.id(l, c);
+                self.cache.unpin(id);
+                let neurons = layout.neurons(c).len() as u64;
+                self.stats.computed_neurons += neurons * u64::from(rows.count_ones());
                 if refined {
-                    self.any_active[c] |= self.h[r].iter().any(|&a| a != 0.0);
+                    let any = (0..MAX_BATCH)
+                        .filter(|&t| rows & (1 << t) != 0)
+                        .any(|t| self.blocks.any_active(layout, t, c));
+                    let a = &mut self.activity[id as usize];
+                    *a = 0.5 * *a + if any { 0.5 } else { 0.0 };
+                }
+                // Calibrated frequency never changes: the value set at `reserve` stands.
+                if self.policy.retention != Retention::Frequency {
+                    let value = self.retention(id);
+                    self.cache.set_retention(id, value);
                 }
             }
         }
-        for &c in &self.ready {
-            let id = layout.id(l, c);
-            self.cache.unpin(id);
-            if refined && result.is_ok() {
-                let a = &mut self.activity[id as usize];
-                *a = 0.5 * *a + if self.any_active[c] { 0.5 } else { 0.0 };
-                self.any_active[c] = false;
-            }
-        }
-        if result.is_err() {
-            self.any_active.fill(false);
-            self.ready.clear();
-            return result;
-        }
+        let blocks = &self.blocks;
+        self.ready
+            .retain(|&c| !blocks.computed().contains(&blocks.block_of(c)));
         self.tick += 1.0;
-        // Calibrated frequency never changes: the value set at `reserve` stands.
-        if self.policy.retention != Retention::Frequency {
-            for i in 0..self.ready.len() {
-                let id = layout.id(l, self.ready[i]);
-                let value = self.retention(id);
-                self.cache.set_retention(id, value);
-            }
-        }
-        self.ready.clear();
         Ok(())
     }
 
@@ -511,11 +507,13 @@ impl StreamingFfn {
         let layout = &self.sm.layout;
         let cache = &mut self.cache;
         let ready = &mut self.ready;
+        let blocks = &mut self.blocks;
         self.needed
             .retain(|&c| match cache.lookup(layout.id(l, c)) {
                 Lookup::Ready(_) => {
                     cache.pin(layout.id(l, c));
                     ready.push(c);
+                    blocks.arrived(c);
                     false
                 }
                 _ => true,
@@ -607,6 +605,7 @@ impl FfnExecutor for StreamingFfn {
             self.rows_of[c] = rows;
             self.margins[c] = best;
         }
+        self.blocks.begin(n, &self.rows_of[..cpl]);
 
         // The exact selection: count hits and misses, cancel what it dropped, and make sure
         // everything it needs is cached or on its way (urgently).
@@ -639,8 +638,9 @@ impl FfnExecutor for StreamingFfn {
             }
         }
 
-        // Stages: compute what is ready, then wait for arrivals. A serialised policy computes
-        // only once everything is in, unless it must free slots for chunks still unread.
+        // Stages: compute the blocks that are in, then wait for arrivals. A serialised policy
+        // computes only once everything is in, unless it must free slots for chunks still
+        // unread.
         self.failed = None;
         loop {
             if let Some((c, e)) = self.failed.take()
@@ -670,7 +670,7 @@ impl FfnExecutor for StreamingFfn {
                 }
             }
             if self.policy.stream_compute || self.needed.is_empty() || starved {
-                self.compute_ready(l, xn, out)?;
+                self.compute_ready(l, xn)?;
             }
             if self.needed.is_empty() && self.ready.is_empty() {
                 break;
@@ -678,6 +678,7 @@ impl FfnExecutor for StreamingFfn {
             self.collect(true);
             self.take_ready(l);
         }
+        self.blocks.finish(out);
 
         // Refined retention: cached chunks of this layer the exact selection passed over count
         // as inactive this token.

@@ -1,6 +1,6 @@
 //! Several conversations advanced by one pass through a streaming pipeline
-//! ([`forward_each_with`]): each gets what it gets in a pass of its own, and a chunk that several
-//! rows need is read once and computed for each of them.
+//! ([`forward_each_with`]): each gets the same bits as in a pass of its own, and a chunk that
+//! several rows need is read once and computed for each of them.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -108,15 +108,20 @@ fn sessions_in_one_streaming_pass_get_what_each_gets_alone() {
             for (i, prompt) in prompts.iter().enumerate() {
                 let mut exec = executor(&sm, mode, precision);
                 let alone = run_together(&sm, &mut exec, &[prompt], precision);
-                assert_eq!(
-                    together[i].0, alone[0].0,
-                    "{mode} {precision:?}: prompt {i}"
+                // The same bits: chunks are summed in fixed blocks, whatever the reads' timing.
+                assert!(
+                    together[i] == alone[0],
+                    "{mode} {precision:?}: prompt {i}: tokens {:?} alone {:?}, logits differ by \
+                     {}",
+                    together[i].0,
+                    alone[0].0,
+                    together[i]
+                        .1
+                        .iter()
+                        .zip(&alone[0].1)
+                        .map(|(a, b)| max_diff(a, b))
+                        .fold(0.0, f32::max)
                 );
-                for (a, b) in together[i].1.iter().zip(&alone[0].1) {
-                    // Up to the order in which arriving chunks were summed.
-                    let diff = max_diff(a, b);
-                    assert!(diff < 1e-4, "{mode} {precision:?}: prompt {i}: {diff}");
-                }
             }
         }
     }

@@ -25,7 +25,7 @@ use super::kernels::GatheredChunks;
 use super::memory::{HostRegistration, copy_to_device_async, download_into, zeros};
 use super::{CudaBackend, cuda};
 use crate::model::lsm::ChunkLayout;
-use crate::pipeline::kernel::{ChunkCompute, ChunkMath};
+use crate::pipeline::kernel::{BLOCKS, ChunkCompute, Unit};
 use crate::{Error, Result};
 
 /// The device twin of the cache arena (discrete GPUs) and which chunk each twin slot holds.
@@ -42,7 +42,7 @@ pub struct CudaChunks {
     slot_bytes: usize,
     x: DeviceBuffer<f32>,      // (d_model)
     h: DeviceBuffer<f32>,      // (n_ff)
-    acc: DeviceBuffer<f32>,    // (d_model)
+    acc: DeviceBuffer<f32>,    // (BLOCKS, d_model): one sum per unit of a stage
     active: DeviceBuffer<u32>, // (1)
     ptrs: DeviceBuffer<u64>,   // (chunks_per_layer)
     index: DeviceBuffer<u32>,  // (chunks_per_layer)
@@ -97,14 +97,14 @@ impl CudaChunks {
             slot_bytes: layout.chunk_bytes,
             x: zeros("x", layout.d_model)?,
             h: zeros("h", layout.n_ff)?,
-            acc: zeros("acc", layout.d_model)?,
+            acc: zeros("acc", BLOCKS * layout.d_model)?,
             active: zeros("active", 1)?,
             ptrs: zeros("chunk pointers", n)?,
             index: zeros("chunk index", n)?,
             host_ptrs: vec![0; n.max(1)],
             host_index: vec![0; n.max(1)],
             host_h: vec![0.0; layout.n_ff],
-            host_acc: vec![0.0; layout.d_model],
+            host_acc: vec![0.0; BLOCKS * layout.d_model],
             host_active: [0],
             copied_bytes: 0,
             gpu,
@@ -115,7 +115,7 @@ impl CudaChunks {
     /// GPU, plus the stage buffers): what the daemon adds to the model's GPU share.
     pub fn device_bytes(&self) -> usize {
         self.mirror.as_ref().map_or(0, |m| m.arena.len())
-            + 4 * (2 * self.x.len() + self.h.len() + 1)
+            + 4 * (self.x.len() + self.acc.len() + self.h.len() + 1)
             + 12 * self.ptrs.len()
     }
 
@@ -147,31 +147,43 @@ impl CudaChunks {
 }
 
 impl ChunkCompute for CudaChunks {
+    /// All units of the stage in one round trip: their chunk lists go up together, each unit's
+    /// launches sum into its own slice of `acc`, and one synchronisation ends the stage. The
+    /// GPU computes one row at a time (a GPU session runs alone), so every unit has the same
+    /// input; units of different inputs are refused.
     fn compute<'b>(
         &mut self,
-        math: &ChunkMath<'_>,
         l: usize,
-        chunks: &[usize],
+        units: &mut [Unit<'_>],
         bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
-        x: &[f32],
-        h: &mut [f32],
-        out: &mut [f32],
     ) -> Result<usize> {
-        let layout = math.layout;
-        self.gpu.bind()?;
-        if chunks.len() > self.host_ptrs.len() {
+        let Some(first) = units.first() else {
+            return Ok(0);
+        };
+        let (layout, x) = (first.math.layout, first.x);
+        let (d, listed) = (
+            layout.d_model,
+            units.iter().map(|u| u.chunks.len()).sum::<usize>(),
+        );
+        if units.iter().any(|u| u.x != x) || units.len() > BLOCKS || listed > self.host_ptrs.len() {
             return Err(Error::InvalidArgument {
-                arg: "chunks",
+                arg: "units",
                 reason: format!(
-                    "{} chunks, a layer has {}",
-                    chunks.len(),
+                    "{} units of {listed} chunks: the GPU takes at most {BLOCKS} units of one \
+                     row and {} chunks a stage",
+                    units.len(),
                     self.host_ptrs.len()
                 ),
             });
         }
-        for (i, &c) in chunks.iter().enumerate() {
-            self.host_ptrs[i] = self.device_address(l, c, bytes_of(c))?;
-            self.host_index[i] = c as u32;
+        self.gpu.bind()?;
+        let mut i = 0;
+        for u in units.iter() {
+            for &c in u.chunks {
+                self.host_ptrs[i] = self.device_address(l, c, bytes_of(c))?;
+                self.host_index[i] = c as u32;
+                i += 1;
+            }
         }
         // The previous stage ended with a synchronisation, so these buffers are idle.
         self.ptrs
@@ -191,30 +203,37 @@ impl ChunkCompute for CudaChunks {
                 .set_32_async(0, stream)
                 .map_err(cuda("clearing the active count"))?;
         }
-        let listed = GatheredChunks {
-            ptrs: self.ptrs.as_device_ptr(),
-            index: self.index.as_device_ptr(),
-            n: chunks.len(),
-        };
-        self.gpu.ffn_gathered(
-            layout,
-            listed,
-            math.activation,
-            math.threshold,
-            self.x.as_device_ptr(),
-            self.h.as_device_ptr(),
-            self.acc.as_device_ptr(),
-            self.active.as_device_ptr(),
-        )?;
+        let mut start = 0;
+        for (k, u) in units.iter().enumerate() {
+            let listed = GatheredChunks {
+                ptrs: self.ptrs.as_device_ptr().wrapping_add(start),
+                index: self.index.as_device_ptr().wrapping_add(start),
+                n: u.chunks.len(),
+            };
+            start += u.chunks.len();
+            self.gpu.ffn_gathered(
+                layout,
+                listed,
+                u.math.activation,
+                u.math.threshold,
+                self.x.as_device_ptr(),
+                self.h.as_device_ptr(),
+                self.acc.as_device_ptr().wrapping_add(k * d),
+                self.active.as_device_ptr(),
+            )?;
+        }
         self.gpu.sync()?;
         download_into(&self.h, &mut self.host_h)?;
-        for &c in chunks {
-            let r = layout.neurons(c);
-            h[r.clone()].copy_from_slice(&self.host_h[r]);
-        }
         download_into(&self.acc, &mut self.host_acc)?;
         download_into(&self.active, &mut self.host_active)?;
-        crate::backend::cpu::add_inplace(out, &self.host_acc);
+        for (k, u) in units.iter_mut().enumerate() {
+            for &c in u.chunks {
+                let r = layout.neurons(c);
+                let (a, b) = (r.start - u.h_start, r.end - u.h_start);
+                u.h[a..b].copy_from_slice(&self.host_h[r]);
+            }
+            crate::backend::cpu::add_inplace(u.out, &self.host_acc[k * d..(k + 1) * d]);
+        }
         Ok(self.host_active[0] as usize)
     }
 }

@@ -31,7 +31,7 @@ impl StreamingFfn {
         let gpu = self.gpu.take();
         #[cfg(feature = "cuda")]
         if gpu.is_some() {
-            self.compute = Box::new(CpuChunks::new(self.sm.layout.d_model));
+            self.compute = Box::new(CpuChunks);
         }
         let resized = self.cache.resize(bytes as u64);
         #[cfg(feature = "cuda")]
