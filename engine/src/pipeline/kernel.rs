@@ -98,7 +98,7 @@ impl ChunkMath<'_> {
 
 /// The fixed blocks a layer's chunks are summed in by the streaming pipeline (see its `blocks`
 /// module): a stage computes at most this many units per row.
-pub const BLOCKS: usize = 16;
+pub const BLOCKS: usize = 32;
 
 /// One row's share of a stage: `chunks` of one layer (ascending, all within one block of
 /// neurons) computed for the input `x` in list order into `out`, which the caller has zeroed; the

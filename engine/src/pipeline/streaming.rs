@@ -10,9 +10,10 @@
 //! 2. **Refine** (the FFN of `l`, with its exact input): the exact selection promotes its missing
 //!    chunks to the front of the queue and cancels queued reads of chunks it no longer selects;
 //!    later layers' reads are re-scored as their speculation is repeated layer by layer.
-//! 3. **Stream**: chunks are computed as they become ready — resident ones first, then each
-//!    batch of arrivals — because an FFN output is a sum over neurons; the layer is done when
-//!    every selected chunk is in.
+//! 3. **Stream**: chunks are computed as they become ready — resident ones first, then the
+//!    arrivals — because an FFN output is a sum over neurons; the layer is done when every
+//!    selected chunk is in. The sum runs in fixed blocks of chunks, each computed once all of
+//!    its chunks are in, so that it does not depend on the arrival order ([`blocks`]).
 //! 4. **Retain**: the cache keeps the chunks most often active in calibration. With neurons
 //!    sorted by frequency (`leanstream calibrate` does it by default) those are the front of
 //!    each layer, so the cached set is stable and contiguous and the misses merge into large
