@@ -179,6 +179,9 @@ pub struct SharedPrefix {
     /// adopt them (they would compute other numbers).
     pub precision: Precision,
     pub kv: KvPrefix,
+    /// When a session last started from it (or it was stored): the store evicts the least
+    /// recently used prefix that no session reads.
+    pub last_used: std::time::Instant,
 }
 
 impl LoadedModel {

@@ -61,6 +61,8 @@ pub trait Memory {
     /// Adds `bytes` to a loaded model's resident reservation, for something built after the
     /// load that lives as long as the model.
     fn grow_model(&mut self, name: &str, bytes: u64) -> Result<(), OverBudget>;
+    /// Takes back what [`Memory::grow_model`] added, once the model has dropped it.
+    fn shrink_model(&mut self, name: &str, bytes: u64);
     /// Releases a model; its sessions must be closed first.
     fn unload_model(&mut self, name: &str);
     /// Reserves what a new session holds at open on an accounted model; `priority` orders the
@@ -100,6 +102,11 @@ impl Memory for Arbiter {
 
     fn grow_model(&mut self, name: &str, bytes: u64) -> Result<(), OverBudget> {
         Arbiter::grow_resident(self, name, bytes).map_err(over_budget)
+    }
+
+    fn shrink_model(&mut self, name: &str, bytes: u64) {
+        // A model unloaded meanwhile has nothing left to shrink.
+        let _ = Arbiter::shrink_resident(self, name, bytes);
     }
 
     fn unload_model(&mut self, name: &str) {

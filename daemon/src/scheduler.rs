@@ -132,6 +132,8 @@ pub trait SessionBudget: Send {
     /// Adds `bytes` to model `name`'s reservation for the rest of its life; `OverBudget`
     /// when that does not fit.
     fn grow_model(&self, name: &str, bytes: u64) -> Result<(), LeanStreamError>;
+    /// Takes `bytes` back off model `name`'s reservation: something it kept is gone.
+    fn shrink_model(&self, name: &str, bytes: u64);
 }
 
 /// Handle of the scheduler thread.

@@ -98,6 +98,11 @@ pub enum Request {
         bytes: u64,
         reply: oneshot::Sender<Result<(), LeanStreamError>>,
     },
+    /// From the scheduler: model `name` dropped `bytes` it had kept (an evicted prompt prefix).
+    ShrinkModel {
+        name: String,
+        bytes: u64,
+    },
     /// Internal: a released model's memory has been handed back: its placeholder reservation
     /// (`held`, see [`State::release`]) ends and caches may grow into it.
     Released {
@@ -153,6 +158,12 @@ impl crate::scheduler::SessionBudget for Budget {
             .blocking_send(Request::GrowModel { name, bytes, reply })
             .map_err(|_| gone())?;
         rx.blocking_recv().map_err(|_| gone())?
+    }
+
+    fn shrink_model(&self, name: &str, bytes: u64) {
+        let name = name.to_string();
+        // At shutdown there is no budget left to correct.
+        let _ = self.0.blocking_send(Request::ShrinkModel { name, bytes });
     }
 }
 
@@ -503,6 +514,10 @@ impl<M: Memory> State<M> {
                     Err(e) => Err(LeanStreamError::OverBudget(e.to_string())),
                 };
                 let _ = reply.send(r);
+            }
+            Request::ShrinkModel { name, bytes } => {
+                self.memory.shrink_model(&name, bytes);
+                self.apply_cache_grants();
             }
             Request::Released { held } => {
                 self.memory.unload_model(&held);

@@ -247,6 +247,20 @@ impl Arbiter {
         Ok(())
     }
 
+    /// Takes `bytes` (at most what it holds) off a loaded model's resident reservation,
+    /// something it kept and has dropped (a shared prompt prefix); the caches grow into them.
+    pub fn shrink_resident(&mut self, name: &str, bytes: u64) -> Result<(), ArbiterError> {
+        let m = self
+            .models
+            .get_mut(name)
+            .ok_or_else(|| ArbiterError::UnknownModel(name.to_owned()))?;
+        let bytes = bytes.min(m.resident_bytes);
+        m.resident_bytes -= bytes;
+        self.reserved -= bytes;
+        self.settle();
+        Ok(())
+    }
+
     /// Releases a model's weights and cache; the other caches grow into them. Refused with
     /// `ModelInUse` while the model has sessions.
     pub fn unload_model(&mut self, name: &str) -> Result<(), ArbiterError> {

@@ -83,6 +83,15 @@ fn a_model_grows_its_reservation_by_shrinking_caches_or_is_refused_unchanged() {
         arb.grow_resident("nosuch", MIB),
         Err(ArbiterError::UnknownModel(_))
     ));
+    // What it drops again goes back to its cache (at most what it holds).
+    arb.shrink_resident("a", 10 * MIB).unwrap();
+    assert_eq!(arb.reserved_bytes(), 75 * MIB);
+    assert_eq!(arb.cache_bytes("a"), Some(30 * MIB), "the cache grew back");
+    assert!(matches!(
+        arb.shrink_resident("nosuch", MIB),
+        Err(ArbiterError::UnknownModel(_))
+    ));
+    arb.grow_resident("a", 5 * MIB).unwrap();
     // What a model grew by is freed with it.
     arb.unload_model("a").unwrap();
     assert_eq!(arb.reserved_bytes(), 0);

@@ -10,13 +10,16 @@
 //!   the blocks become shared) and stored, so later sessions find them even after that session
 //!   is gone.
 //! - A stored prefix is paid once, in the model's reservation (the sessions sharing its blocks
-//!   do not pay for them), and stays for the model's life; at most [`MAX_PREFIXES`] a model, so
-//!   one-off prompts cannot pile up. Only CPU sessions of the same precision and KV type share.
+//!   do not pay for them). A model keeps at most [`MAX_PREFIXES`], so one-off prompts cannot
+//!   pile up: a new one takes the place of the least recently used prefix that no session
+//!   reads (one that sessions read stays: they do not pay for its blocks), and its bytes go
+//!   back to the budget. Only CPU sessions of the same precision and KV type share.
 //! - Nothing here is required for correctness: when a step is refused (the budget, a layout
 //!   that does not match) the prompt is simply computed.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError};
+use std::time::Instant;
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
@@ -62,8 +65,9 @@ pub fn adopt(
                 None => stored,
             };
             found.and_then(|i| {
-                let prefix = &store[i];
+                let prefix = &mut store[i];
                 cpu.adopt_prefix(&prefix.kv).ok()?;
+                prefix.last_used = Instant::now();
                 Some(prefix.tokens.len())
             })
         }
@@ -130,7 +134,8 @@ fn live_source(
 }
 
 /// Snapshots the first `n` positions of session `source` into the store, paid by the model;
-/// returns its index. `None` when the store is full, the budget refuses, or the snapshot fails.
+/// returns its index. `None` when the store is full of prefixes sessions read, the budget
+/// refuses, or the snapshot fails.
 fn store_from(
     store: &mut Vec<SharedPrefix>,
     sessions: &mut BTreeMap<SessionId, Entry>,
@@ -139,7 +144,7 @@ fn store_from(
     (source, n): (SessionId, usize),
     ids: &[u32],
 ) -> Option<usize> {
-    if store.len() >= MAX_PREFIXES {
+    if store.len() >= MAX_PREFIXES && !evict_unused(store, budget, &model.name) {
         return None;
     }
     let e = sessions.get_mut(&source)?;
@@ -161,6 +166,27 @@ fn store_from(
         tokens: ids[..n].to_vec(),
         precision: cpu.precision(),
         kv,
+        last_used: Instant::now(),
     });
     Some(store.len() - 1)
+}
+
+/// Drops the least recently used prefix of `store` that no session reads, handing its bytes
+/// back to model `model`'s reservation; false when every prefix is read.
+fn evict_unused(store: &mut Vec<SharedPrefix>, budget: &dyn SessionBudget, model: &str) -> bool {
+    let Some(i) = (0..store.len())
+        .filter(|&i| !store[i].kv.in_use())
+        .min_by_key(|&i| store[i].last_used)
+    else {
+        return false;
+    };
+    let gone = store.remove(i);
+    let bytes = gone.kv.bytes();
+    drop(gone); // the blocks are the store's alone: freed here
+    budget.shrink_model(model, bytes);
+    tracing::info!(
+        "model {model}: least recently used prefix evicted ({} KiB)",
+        bytes / 1024
+    );
+    true
 }

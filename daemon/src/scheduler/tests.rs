@@ -19,13 +19,17 @@ const PROMPT: &str = "the cat sat on the";
 const TOKENS: usize = 12;
 
 /// A budget that grants every reservation up to a per-session limit the test can change
-/// while the scheduler runs.
+/// while the scheduler runs, and sums what models hand back.
 #[derive(Clone)]
-struct SharedLimit(Arc<std::sync::atomic::AtomicU64>);
+struct SharedLimit(
+    Arc<std::sync::atomic::AtomicU64>,
+    Arc<std::sync::atomic::AtomicU64>,
+);
 
 impl SharedLimit {
     fn new(limit: u64) -> SharedLimit {
-        SharedLimit(Arc::new(std::sync::atomic::AtomicU64::new(limit)))
+        let limit = Arc::new(std::sync::atomic::AtomicU64::new(limit));
+        SharedLimit(limit, Arc::default())
     }
 }
 
@@ -43,6 +47,10 @@ impl SessionBudget for SharedLimit {
 
     fn grow_model(&self, _name: &str, _bytes: u64) -> Result<(), LeanStreamError> {
         Ok(())
+    }
+
+    fn shrink_model(&self, _name: &str, bytes: u64) {
+        self.1.fetch_add(bytes, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -623,6 +631,61 @@ fn a_prompt_starting_like_another_sessions_reuses_its_keys_and_values_and_keeps_
     }
     // The third found the prefix in the model's store: the session it came from is closed.
     assert_eq!(model.prefixes.lock().unwrap().len(), 1);
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+}
+
+#[test]
+fn a_full_prefix_store_evicts_the_least_recently_used_prefix_that_no_session_reads() {
+    let fx = Fixture::new();
+    let model = Arc::new(load(&fx, &fx.gguf("tiny"), ""));
+    let words = ["alpha", "bravo", "charlie", "delta", "echo"];
+    let system = |k: usize| format!("{} ", words[k]).repeat(40);
+    let tokens = |text: &str| model.model.tokenizer.encode(text).unwrap();
+    assert!(tokens(&system(0)).len() > prefix::MIN_SHARED_TOKENS);
+    let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let limit = SharedLimit::new(u64::MAX);
+    let handed_back = Arc::clone(&limit.1);
+    let engine = Scheduler::start(reports, Box::new(limit)).unwrap();
+    // Session `id` runs system prompt `k` and a question; returns its cached prompt tokens.
+    let run = |id: SessionId, k: usize, question: &str| {
+        open(&engine, id, &model, exact(&model, 256, KvType::F16));
+        let (read, out) = std::io::pipe().unwrap();
+        let prompt = format!("{}{question}", system(k));
+        send_generate(&engine, id, &prompt, spec(2, Priority::Interactive), out)
+            .blocking_recv()
+            .unwrap()
+            .unwrap();
+        done_stats(&read_events(read)).cached_prompt_tokens
+    };
+    let stored = || -> Vec<Vec<u32>> {
+        let store = model.prefixes.lock().unwrap();
+        store.iter().map(|p| p.tokens.clone()).collect()
+    };
+    // Four system prompts, each run by two sessions (the second shares through the store),
+    // all left open: the store is full of prefixes that sessions read.
+    for k in 0..4 {
+        assert_eq!(run(10 + k as SessionId, k, "a"), 0);
+        assert!(run(20 + k as SessionId, k, "b") > 0, "prompt {k} shared");
+    }
+    assert_eq!(stored().len(), prefix::MAX_PREFIXES);
+    // A fifth finds no room: every stored prefix is read, none is evicted.
+    assert_eq!(run(14, 4, "a"), 0);
+    assert_eq!(run(24, 4, "b"), 0, "nothing evicted, nothing shared");
+    assert_eq!(handed_back.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // Once the sessions of the first prompt are gone, its prefix makes room for the fifth.
+    engine.tx.send(Command::Close { id: 10 }).unwrap();
+    engine.tx.send(Command::Close { id: 20 }).unwrap();
+    assert!(run(34, 4, "c") > 0, "prompt 4 shared after the eviction");
+    let now = stored();
+    assert_eq!(now.len(), prefix::MAX_PREFIXES);
+    let first = tokens(&system(0));
+    assert!(
+        now.iter().all(|p| !first.starts_with(&p[..8])),
+        "the first prompt's prefix is gone"
+    );
+    assert!(now.iter().any(|p| tokens(&system(4)).starts_with(p)));
+    assert!(handed_back.load(std::sync::atomic::Ordering::SeqCst) > 0);
     engine.tx.send(Command::Shutdown).unwrap();
     engine.thread.join().unwrap();
 }

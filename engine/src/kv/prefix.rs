@@ -40,6 +40,11 @@ impl KvPrefix {
         self.kv
     }
 
+    /// Whether a session reads any of its blocks (it holds them beside this prefix).
+    pub fn in_use(&self) -> bool {
+        self.blocks.iter().any(|b| Arc::strong_count(b) > 1)
+    }
+
     /// Heap bytes the prefix holds, in full whoever else shares them: its block list and every
     /// block in it (whole blocks, from their capacities).
     pub fn bytes(&self) -> u64 {
