@@ -128,10 +128,10 @@ pub fn groups(dtype: DType, b: &[u8]) -> Groups {
         }
         DType::Q4K | DType::Q5K => {
             // One 6-bit scale and min per 32 values: both of its groups get them.
+            let (scales, mins) = scales_mins_k4(b[4..16].try_into().expect("12 bytes"));
             for j in 0..8 {
-                let (s, mj) = scale_min_k4(j, &b[4..16]);
-                sc[2 * j..2 * j + 2].fill(s as i8);
-                m[2 * j..2 * j + 2].fill(mj as i8);
+                sc[2 * j..2 * j + 2].fill(scales[j] as i8);
+                m[2 * j..2 * j + 2].fill(mins[j] as i8);
             }
             (f16_at(b, 0), f16_at(b, 2))
         }
@@ -206,16 +206,23 @@ pub fn q5(b: &[u8], at: usize, j: usize) -> u8 {
     low | ((((qh >> j) & 1) as u8) << 4)
 }
 
-/// Scale and min of Q4_K sub-block `j` (0..8) from the 12 packed bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
+/// The eight 6-bit scales and mins of a Q4_K / Q5_K super-block from its 12 packed bytes (the
+/// layout [`pack_scale_min_k4`] writes), four bytes at a time: bytes 0-3 hold scales 0-3 in their
+/// low six bits, 4-7 mins 0-3, 8-11 the low nibbles of scales 4-7 and (high nibble) of mins 4-7,
+/// whose two high bits are the top bits of bytes 0-3 and 4-7. The decode runs once per
+/// super-block and row in every k-quant kernel, so it works on words rather than byte by byte.
+fn scales_mins_k4(q: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
+    let (lo, mid, hi) = (word(0), word(4), word(8));
+    // In each byte, `x >> 2 & 0x30` is that byte's bits 6-7 moved to 4-5: what the shift pulls
+    // in from the next byte lands in bits 6-7, which the mask clears.
+    let scales_hi = (hi & 0x0f0f_0f0f) | ((lo >> 2) & 0x3030_3030);
+    let mins_hi = ((hi >> 4) & 0x0f0f_0f0f) | ((mid >> 2) & 0x3030_3030);
+    let join = |a: u32, b: u32| (u64::from(a) | (u64::from(b) << 32)).to_le_bytes();
+    (
+        join(lo & 0x3f3f_3f3f, scales_hi),
+        join(mid & 0x3f3f_3f3f, mins_hi),
+    )
 }
 
 /// A super-block quantised as `d * sc_s * q - dmin * m_s` (Q2_K, Q4_K, Q5_K), before packing.
@@ -424,6 +431,25 @@ pub fn encode_q6_k(x: &[f32], out: &mut [u8]) {
             out[64 * h + l + 32] = (q2 & 0x0f) | ((q4 & 0x0f) << 4);
             out[128 + 32 * h + l] =
                 (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_scales_and_mins_unpack_to_what_was_packed() {
+        // Every 6-bit value in every position, with a scramble so that neighbours differ.
+        for seed in 0..64u32 {
+            let six = |j: u32| ((seed * 37 + j * 11 + (j * j) % 7) % 64) as u8;
+            let sc: Vec<u8> = (0..8).map(six).collect();
+            let m: Vec<u8> = (8..16).map(six).collect();
+            let mut packed = [0u8; 12];
+            pack_scale_min_k4(&sc, &m, &mut packed);
+            let (scales, mins) = scales_mins_k4(&packed);
+            assert_eq!((&scales[..], &mins[..]), (&sc[..], &m[..]), "seed {seed}");
         }
     }
 }
