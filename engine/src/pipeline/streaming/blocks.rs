@@ -6,11 +6,11 @@
 //!
 //! Instead a layer's chunks are grouped into [`BLOCKS`] fixed blocks of consecutive chunks:
 //! enough for reads to overlap compute, few enough that the partial sums stay small
-//! (`rows × BLOCKS × d_model` values). A
-//! block is computed once all of its needed chunks are in, each row's share from zero in chunk
-//! order into its own partial sum (a [`Unit`]); the layer's output is the partials added in block
-//! order. A row's output is then the same bits whatever the timing of the reads and whatever
-//! other rows share its pass, while reads still overlap compute block by block.
+//! (`rows × BLOCKS × d_model` values). A block is computed once all of its needed chunks are
+//! in, each row's share from zero in chunk order into its own partial sum (a [`Unit`]); the
+//! layer's output is the partials added in block order. A row's output is then the same bits
+//! whatever the timing of the reads and whatever other rows share its pass, while reads still
+//! overlap compute block by block.
 
 use std::ops::Range;
 
