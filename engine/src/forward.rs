@@ -373,9 +373,8 @@ pub fn forward_each(sessions: &mut [&mut Session], pieces: &[&[u32]]) -> Result<
 /// layer's FFN computed by `exec` for all the pass's rows at once ([`FfnExecutor::ffn_rows`]):
 /// what a scheduler runs to advance several conversations of one sparse model together. A
 /// streaming pipeline then reads the union of the chunks the rows need once and applies each
-/// chunk to every row that needs it. Each row's output is what [`Session::forward_with`] would
-/// compute for it, up to the order in which arriving chunks are summed (the same bits when every
-/// chunk is cached).
+/// chunk to every row that needs it. Each row's output is the same bits as
+/// [`Session::forward_with`] computes for it (the pipeline sums chunks in a fixed order).
 ///
 /// Errors as [`forward_each`] does; an FFN error (a chunk that could not be read) fails the
 /// whole pass, with no session advanced.

@@ -165,7 +165,10 @@ impl ChunkCompute for CudaChunks {
             layout.d_model,
             units.iter().map(|u| u.chunks.len()).sum::<usize>(),
         );
-        if units.iter().any(|u| u.x != x) || units.len() > BLOCKS || listed > self.host_ptrs.len() {
+        if units.iter().any(|u| !std::ptr::eq(u.x, x))
+            || units.len() > BLOCKS
+            || listed > self.host_ptrs.len()
+        {
             return Err(Error::InvalidArgument {
                 arg: "units",
                 reason: format!(

@@ -73,7 +73,7 @@ impl Blocks {
 
     /// The chunks of block `b`.
     pub fn chunks(&self, b: usize) -> Range<usize> {
-        b * self.chunks_per_block..((b + 1) * self.chunks_per_block).min(self.chunks_per_layer)
+        block_chunks(self.chunks_per_block, self.chunks_per_layer, b)
     }
 
     /// Starts a layer of a pass of `rows` rows, where `rows_of[c]` are the rows that need chunk
@@ -130,44 +130,46 @@ impl Blocks {
         if self.computed.is_empty() {
             return Ok(0);
         }
-        let (d, nb, rows) = (self.d, self.n_blocks, self.rows);
+        let (d, nb, rows, per_neurons) = (self.d, self.n_blocks, self.rows, self.neurons_per_block);
         let (per_block, per_layer) = (self.chunks_per_block, self.chunks_per_layer);
+        // The units in (row, block) order, the order of their slices in `partials` and `h`.
         self.lists.clear();
         self.spans.clear();
-        for &b in &self.computed {
-            for t in (0..rows).filter(|&t| self.used[b] & (1 << t) != 0) {
+        for t in 0..rows {
+            for &b in self
+                .computed
+                .iter()
+                .filter(|&&b| self.used[b] & (1 << t) != 0)
+            {
                 let start = self.lists.len();
-                let block = b * per_block..((b + 1) * per_block).min(per_layer);
-                let mine = block.filter(|&c| rows_of[c] & (1 << t) != 0);
+                let mine =
+                    block_chunks(per_block, per_layer, b).filter(|&c| rows_of[c] & (1 << t) != 0);
                 self.lists.extend(mine);
                 self.spans.push((t, b, start..self.lists.len()));
             }
         }
-        // Every (row, block) slice of the partials and of the activations, handed out once.
-        let mut partials: Vec<Option<&mut [f32]>> = self.partials[..rows * nb * d]
-            .chunks_exact_mut(d)
-            .map(Some)
-            .collect();
-        let mut hs: Vec<Option<&mut [f32]>> = self.h[..rows * self.n_ff]
+        // Walk every (row, block) slice of the partials and activations once, handing the
+        // units theirs.
+        let hs = self.h[..rows * self.n_ff]
             .chunks_exact_mut(self.n_ff)
-            .flat_map(|row| row.chunks_mut(self.neurons_per_block).map(Some))
-            .collect();
+            .flat_map(|row| row.chunks_mut(per_neurons));
+        let slots = self.partials[..rows * nb * d].chunks_exact_mut(d).zip(hs);
+        let mut spans = self.spans.iter().peekable();
         let mut units = Vec::with_capacity(self.spans.len());
-        for (t, b, list) in &self.spans {
-            let (t, b) = (*t, *b);
-            let out = partials[t * nb + b]
-                .take()
-                .expect("one unit per row and block");
+        for (k, (out, h)) in slots.enumerate() {
+            let Some((t, b, list)) = spans.next_if(|(t, b, _)| t * nb + b == k) else {
+                continue;
+            };
             out.fill(0.0);
             units.push(Unit {
                 math: ChunkMath {
-                    fast: acts.map(|a| &a[t]),
+                    fast: acts.map(|a| &a[*t]),
                     ..*math
                 },
                 chunks: &self.lists[list.clone()],
                 x: &xn[t * d..(t + 1) * d],
-                h: hs[t * nb + b].take().expect("one unit per row and block"),
-                h_start: b * self.neurons_per_block,
+                h,
+                h_start: b * per_neurons,
                 out,
             });
         }
@@ -197,4 +199,9 @@ impl Blocks {
             }
         }
     }
+}
+
+/// The chunks of block `b`, for blocks of `per_block` chunks in a layer of `per_layer`.
+fn block_chunks(per_block: usize, per_layer: usize, b: usize) -> Range<usize> {
+    b * per_block..((b + 1) * per_block).min(per_layer)
 }
