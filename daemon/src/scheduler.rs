@@ -6,8 +6,12 @@
 //! Policy, one round at a time:
 //!
 //! 1. **Class first.** Only generations of the most urgent [`Priority`] with work to do take
-//!    steps; a lower class waits (pre-empted between tokens: commands are taken after every
-//!    pass, and a round ends early when a more urgent generation arrives).
+//!    steps; a lower class waits. A request of a more urgent class pre-empts a CPU pass in
+//!    flight: sending it raises an urgency mark ([`Commands`]) that the pass checks before each
+//!    layer, and a pass of a less urgent class gives itself up there (its sessions do not
+//!    advance, and run the same step again later: the same bits). The newcomer thus waits for
+//!    one layer, not a whole pass. Commands are taken after every pass, and a round ends early
+//!    when a more urgent generation has arrived. A GPU pass runs to its end.
 //! 2. **Within a class, turns.** Every generation of the class takes one step per round, the
 //!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
 //!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through the batched pass; one
@@ -49,6 +53,7 @@ mod tests;
 use std::collections::BTreeMap;
 use std::io::PipeWriter;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -139,8 +144,51 @@ pub trait SessionBudget: Send {
 /// Handle of the scheduler thread.
 #[derive(Debug)]
 pub struct Scheduler {
-    pub tx: Sender<Command>,
+    pub tx: Commands,
     pub thread: std::thread::JoinHandle<()>,
+}
+
+/// The scheduler's inbox, cloned by whoever gives it work. Sending a `Generate` also raises the
+/// urgency mark to the request's class; a CPU pass of a less urgent class sees it before its
+/// next layer and gives itself up (see the module docs, step 1).
+#[derive(Clone, Debug)]
+pub struct Commands {
+    tx: Sender<Command>,
+    /// The most urgent class sent since the scheduler last took its commands, as
+    /// [`urgency`]; 0 when none.
+    waiting: Arc<AtomicU8>,
+}
+
+impl Commands {
+    /// Hands `cmd` to the scheduler; `Gone` once its thread has stopped.
+    pub fn send(&self, cmd: Command) -> Result<(), Gone> {
+        let class = match &cmd {
+            Command::Generate { spec, .. } => Some(spec.priority),
+            _ => None,
+        };
+        self.tx.send(cmd).map_err(|_| Gone)?;
+        // Marked after the send: the scheduler clears the mark before it takes its commands,
+        // so a mark always belongs to a command it has not taken yet or has just taken (then
+        // at most one pass is given up for nothing, and the mark is cleared again before the
+        // next one).
+        if let Some(class) = class {
+            self.waiting.fetch_max(urgency(class), Ordering::AcqRel);
+        }
+        Ok(())
+    }
+}
+
+/// The scheduler thread has stopped: a command could not be handed to it.
+#[derive(Debug)]
+pub struct Gone;
+
+/// A class as the urgency mark holds it: higher is more urgent; 0 is "nothing waiting".
+fn urgency(class: Priority) -> u8 {
+    match class {
+        Priority::Background => 1,
+        Priority::Interactive => 2,
+        Priority::Realtime => 3,
+    }
 }
 
 impl Scheduler {
@@ -150,6 +198,11 @@ impl Scheduler {
         budget: Box<dyn SessionBudget>,
     ) -> std::io::Result<Scheduler> {
         let (tx, rx) = std::sync::mpsc::channel();
+        let waiting = Arc::new(AtomicU8::new(0));
+        let tx = Commands {
+            tx,
+            waiting: Arc::clone(&waiting),
+        };
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let thread = std::thread::Builder::new()
             .name("leanstream-sched".into())
@@ -157,6 +210,7 @@ impl Scheduler {
                 let _ = ready_tx.send(());
                 Worker {
                     rx,
+                    waiting,
                     reports,
                     budget,
                     sessions: BTreeMap::new(),
@@ -184,6 +238,8 @@ struct Entry {
 /// The scheduler thread's state.
 struct Worker {
     rx: Receiver<Command>,
+    /// The urgency mark of [`Commands`].
+    waiting: Arc<AtomicU8>,
     reports: tokio::sync::mpsc::UnboundedSender<Report>,
     budget: Box<dyn SessionBudget>,
     sessions: BTreeMap<SessionId, Entry>,
@@ -238,6 +294,7 @@ impl Worker {
 
     /// Takes every waiting command; true when one asks to shut down (or the daemon is gone).
     fn take_commands(&mut self) -> bool {
+        self.waiting.store(0, Ordering::Release);
         loop {
             match self.rx.try_recv() {
                 Ok(cmd) => {
@@ -272,8 +329,8 @@ impl Worker {
         // Earliest deadline first; those without one after, in session order.
         turn.sort_by_key(|&(deadline, id)| (deadline.is_none(), deadline, id));
         let steps = turn.iter().filter_map(|&(_, id)| self.wanted(id)).collect();
-        for pass in self.batches(steps, class) {
-            self.run_pass(&pass);
+        for pass in self.batches(steps) {
+            self.run_pass(&pass, class);
             if self.take_commands() {
                 return true;
             }

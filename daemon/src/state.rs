@@ -227,7 +227,7 @@ pub struct State<M> {
     memory: M,
     conn: zbus::Connection,
     requests: mpsc::Sender<Request>,
-    engine: std::sync::mpsc::Sender<Command>,
+    engine: crate::scheduler::Commands,
     models: BTreeMap<String, ModelEntry>,
     sessions: BTreeMap<SessionId, SessionEntry>,
     /// Clients known to be on the bus (see [`State::admit_client`]).
@@ -261,7 +261,7 @@ impl<M: Memory> State<M> {
         memory: M,
         conn: zbus::Connection,
         requests: mpsc::Sender<Request>,
-        engine: std::sync::mpsc::Sender<Command>,
+        engine: crate::scheduler::Commands,
     ) -> State<M> {
         State {
             params,

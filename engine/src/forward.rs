@@ -30,7 +30,7 @@ use crate::kv::{KvCache, KvType};
 use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
-use pass::{Pass, Row, Seat};
+use pass::{Pass, Row, Seat, never};
 pub use planned::Planned;
 use scratch::{Scratch, Shape};
 
@@ -255,7 +255,7 @@ impl Session {
             for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
                 let mut pass = self.pass(batch.len());
                 pass.embed(batch)?;
-                pass.layers()?;
+                pass.layers(&never)?;
                 if b == last {
                     pass.head(&[batch.len() - 1])?;
                 }
@@ -274,7 +274,7 @@ impl Session {
         self.grow_kv(1)?;
         let mut pass = self.pass(1);
         pass.embed(&[token])?;
-        pass.layers_with(exec)?;
+        pass.layers_with(exec, &never)?;
         pass.head(&[0])?;
         self.pos += 1;
         Ok(&mut self.s.logits)
@@ -296,7 +296,7 @@ impl Session {
         for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
             let mut pass = self.pass(batch.len());
             pass.embed(batch)?;
-            pass.layers_with(exec)?;
+            pass.layers_with(exec, &never)?;
             for t in 0..batch.len() {
                 pass.head(&[t])?;
                 logits(b * MAX_BATCH + t, pass.seats[0].logits)?;
@@ -366,7 +366,7 @@ impl Session {
 /// each piece fits in its session's context; a session whose KV cache cannot grow errors with
 /// nothing run.
 pub fn forward_each(sessions: &mut [&mut Session], pieces: &[&[u32]]) -> Result<()> {
-    run_each(sessions, pieces, None)
+    forward_each_unless(sessions, pieces, None, &never).map(|_| ())
 }
 
 /// Runs `pieces[i]` at the next positions of `sessions[i]` like [`forward_each`], with each
@@ -383,15 +383,24 @@ pub fn forward_each_with(
     pieces: &[&[u32]],
     exec: &mut (dyn FfnExecutor + Send),
 ) -> Result<()> {
-    run_each(sessions, pieces, Some(exec))
+    forward_each_unless(sessions, pieces, Some(exec), &never).map(|_| ())
 }
 
-/// [`forward_each`] and [`forward_each_with`]: the dense FFN when `exec` is `None`.
-fn run_each(
+/// [`forward_each`], or [`forward_each_with`] when `exec` is given, that asks `stop` before each
+/// layer and gives the pass up at the first `true`: what lets a scheduler serve an urgent
+/// request within a layer's time instead of a whole pass's. `Ok(true)` when the pass ran;
+/// `Ok(false)` when it stopped, with no session advanced: the keys and values it wrote lie at
+/// positions the sessions have not reached, and running the same pieces again writes them anew
+/// and gives the same bits as an uninterrupted pass. (A sparse pipeline counts the stopped pass
+/// as a token in its statistics, and keeps what it read for it in its cache.)
+///
+/// Errors as [`forward_each`] and [`forward_each_with`] do.
+pub fn forward_each_unless(
     sessions: &mut [&mut Session],
     pieces: &[&[u32]],
     exec: Option<&mut (dyn FfnExecutor + Send)>,
-) -> Result<()> {
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<bool> {
     let invalid = |reason: String| Error::InvalidArgument {
         arg: "sessions",
         reason,
@@ -450,18 +459,23 @@ fn run_each(
         rows,
     };
     let tokens = pieces.concat();
-    cpu::on_pool(|| {
+    let ran = cpu::on_pool(|| {
         pass.embed(&tokens)?;
-        match exec {
-            Some(exec) => pass.layers_with(exec)?,
-            None => pass.layers()?,
+        let ran = match exec {
+            Some(exec) => pass.layers_with(exec, stop)?,
+            None => pass.layers(stop)?,
+        };
+        if ran {
+            pass.head(&last_rows)?;
         }
-        pass.head(&last_rows)
+        Ok::<_, Error>(ran)
     })?;
-    for (s, piece) in sessions.iter_mut().zip(pieces) {
-        s.pos += piece.len();
+    if ran {
+        for (s, piece) in sessions.iter_mut().zip(pieces) {
+            s.pos += piece.len();
+        }
     }
-    Ok(())
+    Ok(ran)
 }
 
 /// The steps of one token between its Q/K/V projections and attention, shared by every CPU

@@ -3,15 +3,16 @@
 //! over a model's weights can run, and running them (see the scheduler's module docs, step 3).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use leanstream::contract::Priority;
 use leanstream_engine::backend::cpu::Precision;
-use leanstream_engine::forward::{MAX_BATCH, Session, forward_each, forward_each_with};
+use leanstream_engine::forward::{MAX_BATCH, Session, forward_each_unless};
 use leanstream_engine::generate::{Decode, Next};
 use leanstream_engine::pipeline::Executor;
 
 use super::run::{Failure, Room, Run};
-use super::{Entry, LoadedModel, Worker};
+use super::{Entry, LoadedModel, Worker, urgency};
 use crate::memory::SessionId;
 
 /// What sessions must share to run in one pass: the same loaded model (by address: its weights
@@ -63,11 +64,11 @@ impl Worker {
 
     /// Groups the steps of a round (in turn order) into passes: the CPU sessions of one model
     /// and precision share a pass, dense or through the model's sparse pipeline, at most
-    /// [`batch_limit`]`(class)` sessions and [`MAX_BATCH`] tokens a pass; a prompt piece that
-    /// does not fit whole in a pass's room is cut to it (the rest goes in a later round). GPU
-    /// sessions run alone.
-    pub(super) fn batches(&mut self, steps: Vec<Step>, class: Priority) -> Vec<Vec<Step>> {
-        let limit = batch_limit(class);
+    /// [`MAX_BATCH`] tokens a pass; a prompt piece that does not fit whole in a pass's room is
+    /// cut to it (the rest goes in a later round). GPU sessions run alone. Every class gets
+    /// passes this long: a more urgent request does not wait for one to end (see
+    /// [`Worker::run_pass`]).
+    pub(super) fn batches(&mut self, steps: Vec<Step>) -> Vec<Vec<Step>> {
         let mut passes: Vec<(Option<BatchKey>, Vec<Step>)> = Vec::new();
         for step in steps {
             let Some(s) = self.sessions.get_mut(&step.id) else {
@@ -78,9 +79,10 @@ impl Worker {
                 .as_cpu()
                 .map(|cpu| (Arc::as_ptr(&s.model) as usize, cpu.precision()));
             let room = |steps: &[Step]| MAX_BATCH - steps.iter().map(|s| s.tokens).sum::<usize>();
-            match passes.iter_mut().find(|(k, steps)| {
-                key.is_some() && *k == key && steps.len() < limit && room(steps) > 0
-            }) {
+            match passes
+                .iter_mut()
+                .find(|(k, steps)| key.is_some() && *k == key && room(steps) > 0)
+            {
                 Some((_, steps)) => {
                     let tokens = step.tokens.min(room(steps));
                     steps.push(Step { tokens, ..step });
@@ -91,10 +93,14 @@ impl Worker {
         passes.into_iter().map(|(_, steps)| steps).collect()
     }
 
-    /// Runs the steps of `pass` (see [`Worker::batches`]), samples each session's next token and
-    /// writes it out: one forward pass for all when there are several, after reserving each
-    /// one's KV room (a session the budget refuses ends alone).
-    pub(super) fn run_pass(&mut self, pass: &[Step]) {
+    /// Runs the steps of `pass` (see [`Worker::batches`]), of generations of `class`, samples
+    /// each session's next token and writes it out: one forward pass for all, after reserving
+    /// each one's KV room (a session the budget refuses ends alone). A CPU pass is given up
+    /// before a layer when a request of a more urgent class has been sent (the scheduler's
+    /// module docs, step 1); its steps are then still to run.
+    pub(super) fn run_pass(&mut self, pass: &[Step], class: Priority) {
+        let waiting = Arc::clone(&self.waiting);
+        let stop = move || waiting.load(Ordering::Acquire) > urgency(class);
         let budget = self.budget.as_ref();
         let mut ready: Vec<Due<'_>> = Vec::with_capacity(pass.len());
         for (&id, s) in self.sessions.iter_mut() {
@@ -132,8 +138,10 @@ impl Worker {
                 Err(f) => r.fail(id, f),
             }
         }
-        if ready.len() > 1 {
-            run_together(&mut ready);
+        if ready.is_empty() {
+            // Every step was refused its KV room: those generations have ended.
+        } else if ready.iter_mut().all(|d| d.session.as_cpu().is_some()) {
+            run_together(&mut ready, &stop);
         } else {
             for Due { session, step } in &mut ready {
                 let result = run_alone(step.model, session.as_mut(), &step.piece);
@@ -161,10 +169,11 @@ impl Stepped<'_> {
     }
 }
 
-/// One pass for every session of `ready` (CPU sessions of one model): [`forward_each`], or
-/// [`forward_each_with`] the model's sparse pipeline, which then reads each chunk that any of
-/// them needs once. An error (a chunk that could not be read) ends every generation of the pass.
-fn run_together(ready: &mut [Due<'_>]) {
+/// One pass for every session of `ready` (CPU sessions of one model; one or more), through the
+/// model's sparse pipeline when it has one, which then reads each chunk that any of them needs
+/// once ([`forward_each_unless`]), given up when `stop` says so before a layer. An error (a
+/// chunk that could not be read) ends every generation of the pass.
+fn run_together(ready: &mut [Due<'_>], stop: &(dyn Fn() -> bool + Sync)) {
     // The pieces are copied out: the sessions are borrowed mutably beside them.
     let pieces: Vec<Vec<u32>> = ready.iter().map(|d| d.step.piece.clone()).collect();
     let pieces: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
@@ -174,20 +183,32 @@ fn run_together(ready: &mut [Due<'_>]) {
         .filter_map(|d| d.session.as_cpu())
         .collect();
     let ran = match &model.ffn {
-        Some(ffn) => forward_each_with(&mut cpu, &pieces, &mut *lock(ffn)),
-        None => forward_each(&mut cpu, &pieces),
+        Some(ffn) => forward_each_unless(&mut cpu, &pieces, Some(&mut *lock(ffn)), stop),
+        None => forward_each_unless(&mut cpu, &pieces, None, stop),
     };
-    if let Err(e) = ran {
-        tracing::error!("batched pass failed: {e}");
-        for d in ready.iter_mut() {
-            d.step.run.end_with_error("Internal", &e.to_string());
+    match ran {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::debug!(
+                "a pass of {} sessions gave way to a more urgent request",
+                ready.len()
+            );
+            return;
         }
-        return;
+        Err(e) => {
+            tracing::error!("batched pass failed: {e}");
+            for d in ready.iter_mut() {
+                d.step.run.end_with_error("Internal", &e.to_string());
+            }
+            return;
+        }
     }
+    let shared = ready.len() > 1;
     for Due { session, step } in ready.iter_mut() {
         match step.prompt {
-            true => step.run.shared_prompt_passes += 1,
-            false => step.run.shared_decode_passes += 1,
+            true if shared => step.run.shared_prompt_passes += 1,
+            false if shared => step.run.shared_decode_passes += 1,
+            _ => {}
         }
         let cpu = session
             .as_cpu()
@@ -198,39 +219,23 @@ fn run_together(ready: &mut [Due<'_>]) {
     }
 }
 
-/// Most sessions one pass of `class` advances. Background passes stay short, so that a more
-/// urgent request waits for little when it arrives during one (a pass cannot be interrupted):
-/// on SmolLM2 with 2 cores a pass for 4 conversations already gains what a pass for 8 does
-/// (`engine/examples/batch_decode.rs`, fast: 2.5× one session's rate for both) in half the time.
-fn batch_limit(class: Priority) -> usize {
-    match class {
-        Priority::Background => BACKGROUND_BATCH,
-        Priority::Interactive | Priority::Realtime => MAX_BATCH,
-    }
-}
-
-/// See [`batch_limit`].
-const BACKGROUND_BATCH: usize = 4;
-
-/// Runs `piece` (its KV room already reserved) on `session` alone: through the model's sparse
-/// FFN pipeline when it has one, else its batched pass. Returns the last token's logits.
+/// Runs `piece` (its KV room already reserved) on a session that is not a CPU session (the
+/// GPU's): its batched pass, or through
+/// the model's sparse FFN pipeline one token at a time when it has one ([`Worker::wanted`] gives
+/// such a session one token a pass). Returns the last token's logits.
 fn run_alone<'s>(
     model: &LoadedModel,
     session: &'s mut dyn Decode,
     piece: &[u32],
 ) -> Result<&'s mut [f32], Failure> {
-    let Some(ffn) = &model.ffn else {
+    let (Some(ffn), Some((&last, before))) = (&model.ffn, piece.split_last()) else {
         return Ok(session.forward_batch(piece)?);
     };
     let mut exec = lock(ffn);
-    if let &[token] = piece {
-        return Ok(session.forward_with(token, &mut *exec)?);
+    for &token in before {
+        session.forward_with(token, &mut *exec)?;
     }
-    let cpu = session
-        .as_cpu()
-        .expect("wanted() gives a GPU session in a sparse mode one token at a time");
-    forward_each_with(&mut [&mut *cpu], &[piece], &mut *exec)?;
-    Ok(cpu.logits())
+    Ok(session.forward_with(last, &mut *exec)?)
 }
 
 /// The model's sparse pipeline, for one pass. A panic while the scheduler held the lock would

@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used)]
 use std::io::Read;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use leanstream::contract::{StreamEvent, StreamStats};
 use leanstream_engine::backend::cpu::Precision;
@@ -688,4 +689,88 @@ fn a_full_prefix_store_evicts_the_least_recently_used_prefix_that_no_session_rea
     assert!(handed_back.load(std::sync::atomic::Ordering::SeqCst) > 0);
     engine.tx.send(Command::Shutdown).unwrap();
     engine.thread.join().unwrap();
+}
+
+#[test]
+fn a_pass_gives_way_to_a_more_urgent_request_and_its_tokens_stay_the_same() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let expected = ids(&generate(&[(&model, PROMPT)])[0]);
+    // A worker driven by hand, so that the request is sent while a pass is about to run.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = Arc::new(AtomicU8::new(0));
+    let inbox = Commands {
+        tx,
+        waiting: Arc::clone(&waiting),
+    };
+    let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut worker = Worker {
+        rx,
+        waiting,
+        reports,
+        budget: Box::new(SharedLimit::new(u64::MAX)),
+        sessions: BTreeMap::new(),
+    };
+    for id in [1, 2] {
+        let session = exact(&model, 64, KvType::F32);
+        inbox
+            .send(Command::Open {
+                id,
+                model: Arc::clone(&model),
+                session,
+            })
+            .unwrap();
+    }
+    let (read, out) = std::io::pipe().unwrap();
+    let (reply, _accepted) = tokio::sync::oneshot::channel();
+    let background = spec(TOKENS, Priority::Background);
+    let input = Input::Text(PROMPT.into());
+    inbox
+        .send(Command::Generate {
+            id: 1,
+            input,
+            spec: background,
+            out,
+            reply,
+        })
+        .unwrap();
+    assert!(!worker.take_commands());
+    assert_eq!(
+        worker.waiting.load(Ordering::Acquire),
+        0,
+        "taken: no mark left"
+    );
+    let step = worker.wanted(1).expect("a prompt piece");
+    // An interactive request arrives: the background pass gives way and session 1 stays put.
+    let (_read_2, out_2) = std::io::pipe().unwrap();
+    let (reply_2, _accepted_2) = tokio::sync::oneshot::channel();
+    let input = Input::Text(PROMPT.into());
+    let interactive = spec(1, Priority::Interactive);
+    inbox
+        .send(Command::Generate {
+            id: 2,
+            input,
+            spec: interactive,
+            out: out_2,
+            reply: reply_2,
+        })
+        .unwrap();
+    worker.run_pass(&[step], Priority::Background);
+    assert_eq!(
+        worker.wanted(1),
+        Some(step),
+        "the same step is still to run"
+    );
+    assert!(worker.sessions[&1].seen.is_empty(), "session 1 advanced");
+    // A pass of the request's own class does not give way to it.
+    worker.run_pass(&[step], Priority::Interactive);
+    assert_eq!(worker.sessions[&1].seen.len(), step.tokens, "the pass ran");
+    // Once the request is taken, the background generation runs to its end unchanged.
+    assert!(!worker.take_commands());
+    while worker.sessions.values().any(|s| s.run.is_some()) {
+        assert!(!worker.round());
+    }
+    worker.sessions.clear();
+    assert_eq!(ids(&read_events(read)), expected);
 }

@@ -14,6 +14,14 @@ use crate::backend::cpu::{self, Disjoint, Kernels, Precision, TOKEN_GROUP};
 use crate::kv::KvCache;
 use crate::model::{Down, LayerWeights};
 
+/// Asked before each layer of a pass: true to give the pass up there.
+pub(super) type Stop<'s> = &'s (dyn Fn() -> bool + Sync);
+
+/// A [`Stop`] for passes that always run to the end.
+pub(super) fn never() -> bool {
+    false
+}
+
 /// What a pass needs of one conversation.
 pub(super) struct Seat<'a> {
     pub kv: &'a mut KvCache,
@@ -59,22 +67,29 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// Every layer, dense.
-    pub fn layers(&mut self) -> Result<()> {
+    /// Every layer, dense, unless `stop` says so before one: then false, with the layers
+    /// before it run (see [`super::forward_each_unless`]).
+    pub fn layers(&mut self, stop: Stop<'_>) -> Result<bool> {
         for l in 0..self.model.weights.layers.len() {
+            if stop() {
+                return Ok(false);
+            }
             let layer = self.model.layer(l)?;
             self.attention(l, &layer);
             self.ffn(&layer);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Every layer, the FFN of the batch's rows computed by `exec` (the sparse pipelines), all
-    /// rows in one call.
-    pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor) -> Result<()> {
+    /// rows in one call; `stop` as in [`Pass::layers`].
+    pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor, stop: Stop<'_>) -> Result<bool> {
         let c = &self.model.weights.config;
         let (d, eps, n) = (c.d_model, c.rms_eps, self.rows.len());
         for l in 0..self.model.weights.layers.len() {
+            if stop() {
+                return Ok(false);
+            }
             let layer = self.model.layer(l)?;
             for x in self.work.x[..n * d].chunks_exact(d) {
                 exec.begin_layer(l, x);
@@ -89,7 +104,7 @@ impl Pass<'_> {
             norm_rows(&layer.post_ffn_norm, out, d, eps);
             cpu::add_inplace(x, out);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// The output head over the rows listed in `rows` (indices into the batch, each of a

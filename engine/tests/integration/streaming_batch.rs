@@ -1,13 +1,15 @@
 //! Several conversations advanced by one pass through a streaming pipeline
 //! ([`forward_each_with`]): each gets the same bits as in a pass of its own, and a chunk that
-//! several rows need is read once and computed for each of them.
+//! several rows need is read once and computed for each of them. A pass given up between layers
+//! ([`forward_each_unless`]) advances nobody and leaves nothing behind that changes a bit.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::calibrate::{self, CalibrateOptions};
-use leanstream_engine::forward::{Session, forward_each_with};
+use leanstream_engine::forward::{Session, forward_each, forward_each_unless, forward_each_with};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::lsm::PredictorKind;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, PipelineStats, SparseModel};
@@ -58,6 +60,19 @@ fn run_together(
     prompts: &[&[u32]],
     precision: Precision,
 ) -> Vec<Run> {
+    run_interrupted(sm, Some(exec), prompts, precision, None)
+}
+
+/// [`run_together`], dense when `exec` is `None`; with `stop_at` = `Some(l)`, each pass is
+/// first started and given up before layer `l` (checking that it reports so and advances no
+/// session), then run whole.
+fn run_interrupted(
+    sm: &SparseModel,
+    mut exec: Option<&mut Executor>,
+    prompts: &[&[u32]],
+    precision: Precision,
+    stop_at: Option<usize>,
+) -> Vec<Run> {
     let mut sessions: Vec<Session> = prompts
         .iter()
         .map(|_| Session::new(Arc::clone(&sm.model), 64, precision, KvType::F32).expect("session"))
@@ -67,7 +82,22 @@ fn run_together(
     for _ in 0..=STEPS {
         let mut all: Vec<&mut Session> = sessions.iter_mut().collect();
         let refs: Vec<&[u32]> = pieces.iter().map(Vec::as_slice).collect();
-        forward_each_with(&mut all, &refs, exec).expect("pass");
+        let positions: Vec<usize> = all.iter().map(|s| s.position()).collect();
+        if let Some(l) = stop_at {
+            let asked = AtomicUsize::new(0);
+            let stop = || asked.fetch_add(1, Ordering::Relaxed) == l;
+            let exec = exec.as_deref_mut().map(|e| e as _);
+            let ran = forward_each_unless(&mut all, &refs, exec, &stop).expect("stopped pass");
+            assert!(!ran, "the pass ran to the end");
+            assert_eq!(asked.load(Ordering::Relaxed), l + 1, "asked once per layer");
+            let now: Vec<usize> = all.iter().map(|s| s.position()).collect();
+            assert_eq!(now, positions, "a stopped pass advanced a session");
+        }
+        match exec.as_deref_mut() {
+            Some(exec) => forward_each_with(&mut all, &refs, exec),
+            None => forward_each(&mut all, &refs),
+        }
+        .expect("pass");
         for ((s, run), piece) in sessions.iter_mut().zip(&mut runs).zip(&mut pieces) {
             let logits = s.logits().to_vec();
             let next = argmax(&logits);
@@ -151,4 +181,36 @@ fn a_chunk_that_several_rows_need_is_read_once_and_computed_for_each() {
     // Twins in one pass see the same numbers as each other.
     assert_eq!(twins[0], twins[1]);
     assert_eq!(twins[0].0, alone[0].0);
+}
+
+#[test]
+fn a_pass_given_up_between_layers_changes_nothing_that_the_pass_run_again_computes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = calibrated_tiny(dir.path());
+    let sm = SparseModel::open(&path, true).expect("open");
+    let ids = sm.model.tokenizer.encode(TEXT).expect("encode");
+    let prompts: [&[u32]; 2] = [&ids[..9], &ids[20..27]];
+    let n_layers = sm.layout.n_layers;
+    for precision in [Precision::Exact, Precision::Fast] {
+        let dense = run_interrupted(&sm, None, &prompts, precision, None);
+        for l in [1, n_layers - 1] {
+            let stopped = run_interrupted(&sm, None, &prompts, precision, Some(l));
+            assert!(
+                stopped == dense,
+                "dense, {precision:?}, stopped before layer {l}"
+            );
+        }
+        for mode in [Mode::OnDemand, Mode::LeanStream] {
+            let mut exec = executor(&sm, mode, precision);
+            let whole = run_together(&sm, &mut exec, &prompts, precision);
+            let mut exec = executor(&sm, mode, precision);
+            let stopped = run_interrupted(&sm, Some(&mut exec), &prompts, precision, Some(1));
+            assert!(
+                stopped == whole,
+                "{mode}, {precision:?}: tokens {:?} vs {:?}",
+                stopped[0].0,
+                whole[0].0
+            );
+        }
+    }
 }
