@@ -109,7 +109,11 @@ pub struct Groups {
 /// value either way, so the results are the same as converting group by group.
 ///
 /// Panics if `dtype` is not a k-quant type (a broken caller invariant).
-#[inline]
+///
+/// Always inlined: the kernels call it once per super-block with a constant `dtype` (which then
+/// selects one arm), and a call there made them spill their running vectors around it, since a
+/// call may clobber every vector register.
+#[inline(always)]
 pub fn groups(dtype: DType, b: &[u8]) -> Groups {
     let mut sc = [0i8; GROUPS];
     let mut m = [0i8; GROUPS];

@@ -5,8 +5,9 @@
 //! ([`groups`], sixteen floats per 256 values, cheap next to the products). The three kernels are
 //! then shared by every type:
 //!
-//! - exact dot: the span's bytes widened to f32 and multiplied with `x` in two halves (the two
-//!   16-value groups), each half scaled by its group's scale; the mins times `Σx` per group.
+//! - exact dot: the span's bytes widened to f32 once for every token of the call and multiplied
+//!   with each token's `x` in two halves (the two 16-value groups), each half scaled by its
+//!   group's scale; types with mins dequantise the span once instead (`scale · q - min`).
 //! - fast dot: `maddubs`/`madd` over the span against one 32-value activation block gives eight
 //!   i32 sums, lanes 0-3 from the first group and 4-7 from the second, so one vector of
 //!   `[scale_0 × 4, scale_1 × 4]` scales both groups at once; the mins use the same sums of the
@@ -115,14 +116,17 @@ fn pair(lo: f32, hi: f32) -> __m256 {
 const TOKENS: usize = 4;
 
 /// The exact dot product of one row with each of `N` (at most [`TOKENS`]) tokens'
-/// activations: each super-block's scales are decoded and each span's quants widened once for
-/// all of them. Per token the arithmetic is that of one token alone (the span's two halves
-/// scaled, and its mins times the activations' sums taken off, in one running vector summed at
-/// the end), so a token's result is the same bits whatever the other tokens are. `N` is a
-/// constant and there is one running vector per token so that they all stay in registers: with
-/// a second vector for the mins, four tokens spilled on AVX2's sixteen registers, and the spills'
-/// stores could alias (in the low 12 address bits) the activation loads of a projection whose
-/// rows are 8 KiB apart, which halved this kernel's speed in some builds.
+/// activations: each super-block's scales are decoded once, and each span is widened once for
+/// all of them. For the types with mins the span is also dequantised once (`scale · q - min`
+/// per 16-value group), so that per token its two halves' products are added to the token's
+/// running vector in one add: taking the mins off per token instead (`min · Σx` per group) made
+/// four dependent multiply-adds per span, and one token's sum one long chain of them. The other
+/// types scale the halves per token, two multiply-adds (cheaper than dequantising for one
+/// token). Each token has its own running vector, summed at the end, so a token's result is
+/// the same bits whatever the other tokens are. `N` is a constant and there
+/// is one running vector per token so that they all stay in registers (spilled running sums
+/// once halved this kernel's speed: their stores could alias, in the low 12 address bits, the
+/// activation loads of a projection whose rows are 8 KiB apart).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn dot_tokens<const BB: usize, const N: usize>(
@@ -136,19 +140,25 @@ fn dot_tokens<const BB: usize, const N: usize>(
     for (i, b) in blocks.iter().enumerate() {
         let g = groups(dtype, b);
         for s in 0..QK_K / QK {
-            let w = widen(span(b, s));
+            // Elements 0..16 of the span belong to group 2s, 16..32 to group 2s + 1.
             let (scale_lo, scale_hi) = (g.scale[2 * s], g.scale[2 * s + 1]);
-            let (min_lo, min_hi) = (g.min[2 * s], g.min[2 * s + 1]);
+            let mut w = widen(span(b, s));
+            if has_min(dtype) {
+                // Dequantised once for every token: `scale · q - min`.
+                for (k, w) in w.iter_mut().enumerate() {
+                    let group = 2 * s + k / 2;
+                    let scale = _mm256_set1_ps(g.scale[group]);
+                    *w = _mm256_fmsub_ps(scale, *w, _mm256_set1_ps(g.min[group]));
+                }
+            }
             for t in 0..N {
                 let x32: &[f32; QK] = xs[t][QK_K * i + QK * s..][..QK].try_into().expect("a span");
                 let (lo, hi) = w_dot_x_halves(&w, x32);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo), lo, acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_hi), hi, acc[t]);
                 if has_min(dtype) {
-                    let sx_lo = _mm256_add_ps(ld_ps(x32, 0), ld_ps(x32, 8));
-                    let sx_hi = _mm256_add_ps(ld_ps(x32, 16), ld_ps(x32, 24));
-                    acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(min_lo), sx_lo, acc[t]);
-                    acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(min_hi), sx_hi, acc[t]);
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_add_ps(lo, hi));
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo), lo, acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_hi), hi, acc[t]);
                 }
             }
         }
