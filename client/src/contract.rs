@@ -120,8 +120,9 @@ pub struct GenerateParams {
 }
 
 /// How urgent a generation is. The scheduler serves higher classes first and pre-empts lower
-/// ones between tokens; within a class, sessions take turns (and an earlier deadline goes
-/// first). Who may ask for [`Priority::Realtime`] is the daemon's policy.
+/// ones (a lower class's forward pass on the CPU stops at its next layer and runs again later);
+/// within a class, sessions take turns (and an earlier deadline goes first). Who may ask for
+/// [`Priority::Realtime`] is the daemon's policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Priority {
     /// Background work (summaries, logs): runs when nothing more urgent is waiting.
