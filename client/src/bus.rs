@@ -70,6 +70,19 @@ impl Bus {
             source,
         })
     }
+
+    /// The D-Bus address this bus stands for, as [`Bus::connect`] resolves it: for the system
+    /// bus `DBUS_SYSTEM_BUS_ADDRESS`, else `unix:path=/var/run/dbus/system_bus_socket`; for the
+    /// session bus `DBUS_SESSION_BUS_ADDRESS`, else `$XDG_RUNTIME_DIR/bus`. `None` when the
+    /// variable holds no valid address.
+    pub fn resolved_address(&self) -> Option<String> {
+        let address = match self {
+            Bus::System => zbus::Address::system(),
+            Bus::Session => zbus::Address::session(),
+            Bus::Address(a) => return Some(a.clone()),
+        };
+        address.ok().map(|a| a.to_string())
+    }
 }
 
 #[cfg(test)]
@@ -112,6 +125,19 @@ mod tests {
                 Err(Error::InvalidBus { bus, .. }) => assert_eq!(bus, bad),
                 other => panic!("{bad:?} parsed as {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn an_address_resolves_to_itself_and_named_buses_to_an_address() {
+        let a = "unix:path=/tmp/x";
+        assert_eq!(
+            Bus::Address(a.into()).resolved_address().as_deref(),
+            Some(a)
+        );
+        // Whatever the environment says, a valid address is a transport with a colon.
+        if let Some(system) = Bus::System.resolved_address() {
+            assert!(system.contains(':'), "{system}");
         }
     }
 

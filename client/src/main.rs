@@ -2,7 +2,8 @@
 //! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
 //! `perplexity`, `convert`, `calibrate`, `bench`, `synth`) run the engine in-process and need the default `offline` feature.
 //!
-//! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached.
+//! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached, 4 a
+//! constrained `generate` (`--json-schema`, `--grammar`) stopped before its grammar was complete.
 
 use std::process::ExitCode;
 
@@ -89,8 +90,48 @@ fn offline_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("leanstream: error: {e:#}");
+            eprintln!("leanstream: error: {}", error_text(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// An error and its causes on one line, `error: cause: cause`, each cause once. Many errors
+/// print their source in their own message as well as returning it from `source()` (zbus's
+/// I/O error, this crate's `Connect`), so a cause whose text the line already holds is left out.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let os = std::io::Error::from_raw_os_error(libc::ENOENT);
+        let once = os.to_string();
+        let transport = zbus::Error::InputOutput(std::sync::Arc::new(os));
+        let e = anyhow::Error::from(leanstream::Error::Connect {
+            bus: leanstream::Bus::Address("unix:path=/nonexistent/socket".into()),
+            source: transport,
+        });
+        let text = error_text(&e);
+        assert_eq!(text.matches(&once).count(), 1, "{text}");
+        assert!(text.starts_with("cannot connect to the unix:path=/nonexistent/socket bus"));
+        // Causes that the message does not hold are kept, in order.
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_text(&e), "outer: middle: inner");
     }
 }

@@ -35,7 +35,7 @@ pub async fn sees_everything(
 }
 
 /// Root, the daemon's own user, and members of `admin_group` (primary or supplementary).
-fn privileged(uid: u32, admin_group: Option<&str>) -> bool {
+pub(crate) fn privileged(uid: u32, admin_group: Option<&str>) -> bool {
     use nix::unistd::{Group, Uid, User, getgrouplist};
     if uid == 0 || Uid::from_raw(uid) == Uid::effective() {
         return true;

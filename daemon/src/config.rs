@@ -239,9 +239,11 @@ pub struct Params {
     pub precision: Precision,
     /// Most open sessions over all clients. Default 16.
     pub max_sessions: usize,
-    /// Most sessions one client (bus connection) may have open or opening. Default 4.
+    /// Most sessions one client user (uid, over all its bus connections) may have open or
+    /// opening. Default 4.
     pub max_sessions_per_client: usize,
-    /// Most models one client may pin with `LoadModel` while it is connected. Default 2.
+    /// Most models one client user may keep loaded with `LoadModel` or `LoadModelFor`; a hold
+    /// counts until its model unloads. Default 2.
     pub max_pins_per_client: usize,
     /// Largest context a session may ask for, in tokens; also the default. Default 2048.
     pub max_context: usize,

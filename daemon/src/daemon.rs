@@ -15,10 +15,12 @@ use leanstream::contract::{BUS_NAME, MANAGER_PATH};
 use tokio::sync::{mpsc, oneshot};
 use zbus::fdo::{RequestNameFlags, RequestNameReply};
 
+use crate::calls::Calls;
+use crate::catalog::Catalog;
 use crate::config::Params;
 use crate::memory;
-use crate::scheduler::Scheduler;
-use crate::service::Manager;
+use crate::scheduler::{Scheduler, SessionBudget};
+use crate::service::{Manager, Shared};
 use crate::state::{Budget, Request, State};
 
 /// Depth of the request channel between the D-Bus objects and the state owner.
@@ -98,12 +100,19 @@ pub async fn run(
     );
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (tx, rx) = mpsc::channel(REQUEST_QUEUE);
+    let (internal_tx, internal_rx) = mpsc::unbounded_channel();
     let (departures_tx, departures_rx) = mpsc::unbounded_channel();
-    let engine = Scheduler::start(events_tx, Box::new(Budget(tx.clone())))
-        .context("starting the scheduler thread")?;
-    let manager = Manager {
+    let (loaded_tx, loaded_rx) = tokio::sync::watch::channel(Default::default());
+    let budget = || -> Box<dyn SessionBudget> { Box::new(Budget(internal_tx.clone())) };
+    let engine = Scheduler::start(events_tx, budget).context("starting the scheduler's threads")?;
+    let shared = Shared {
         tx: tx.clone(),
         params: Arc::clone(&params),
+        calls: Calls::default(),
+    };
+    let manager = Manager {
+        shared: shared.clone(),
+        catalog: Catalog::new(params.model_dir.clone(), loaded_rx),
     };
     let conn = connect(bus)
         .await?
@@ -115,10 +124,12 @@ pub async fn run(
         Arc::clone(&params),
         memory::arbiter(params.budget_bytes),
         conn.clone(),
-        tx.clone(),
+        shared,
+        internal_tx,
         engine.tx.clone(),
+        loaded_tx,
     );
-    let state_task = tokio::spawn(state.run(rx, events_rx, departures_rx));
+    let state_task = tokio::spawn(state.run(rx, internal_rx, events_rx, departures_rx));
     // Subscribe to NameOwnerChanged before anyone can reach us.
     let changes = zbus::fdo::DBusProxy::new(&conn)
         .await?

@@ -164,15 +164,19 @@ pub struct LoadedModel {
     /// The vocabulary as the grammar parser walks it (a token trie), built on the first
     /// constrained generation and shared by every later one.
     constraint_vocab: OnceLock<Arc<ConstraintVocab>>,
-    /// Prompt prefixes whose keys and values sessions of this model share
-    /// ([`crate::scheduler`]'s prefix module decides what goes in). Paid for once, in the
-    /// model's reservation, and kept for the model's life. Only the scheduler thread locks it.
+    /// Prompt prefixes whose keys and values sessions of this model share, each only between
+    /// sessions of the user who computed it ([`crate::scheduler`]'s prefix module decides what
+    /// goes in). Paid for once, in the model's reservation, and kept for the model's life. Only
+    /// the scheduler's worker thread locks it.
     pub prefixes: Mutex<Vec<SharedPrefix>>,
 }
 
-/// The keys and values of a prompt prefix that sessions of one model share.
+/// The keys and values of a prompt prefix that sessions of one model and one user share.
 #[derive(Debug)]
 pub struct SharedPrefix {
+    /// The uid of the user whose session computed it: only sessions of that user adopt it
+    /// (another user would learn from its length what that user's prompts hold).
+    pub user: u32,
     /// The prefix's tokens.
     pub tokens: Vec<u32>,
     /// The precision the keys and values were computed in: only sessions with the same one
@@ -188,9 +192,10 @@ impl LoadedModel {
     /// Compiles a grammar the output of a generation on this model must match. The first call
     /// builds the model's token trie (15 MiB for SmolLM2's 49k tokens, 39 MiB for Gemma 3's
     /// 262k) and asks `reserve` for what it took, for the model's lifetime: the growth of the
-    /// process's resident memory while it was built (on the scheduler thread; other threads
-    /// rarely allocate meanwhile, so the figure is close, not exact). When `reserve` refuses,
-    /// the trie is dropped and its error returned.
+    /// process's resident memory while it was built (on the scheduler's admission thread; what
+    /// other threads allocate or free meanwhile, a generation's KV block, counts too, so the
+    /// figure is close, not exact). When `reserve` refuses, the trie is dropped and its error
+    /// returned.
     pub fn grammar(
         &self,
         kind: GrammarKind,

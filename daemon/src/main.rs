@@ -9,6 +9,8 @@
 
 mod access;
 mod arbiter;
+mod calls;
+mod catalog;
 mod config;
 mod daemon;
 #[cfg(feature = "cuda")]

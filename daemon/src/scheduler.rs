@@ -1,17 +1,29 @@
-//! The scheduler: one OS thread that owns every engine [`Session`](leanstream_engine::forward::Session), decides who runs next, runs
-//! the forward passes and writes each token to its pipe. Never on tokio workers. What a
-//! generation *is* (sampling, stop rules, detokenising, timings) is the engine's [`Stepper`];
-//! this module only drives steppers.
+//! The scheduler: two OS threads between the state owner and the engine, never on tokio
+//! workers. The **admission stage** ([`admit`]) takes every command in order and prepares each
+//! `Generate` (template, tokens, context check, grammar), answering refusals itself; the
+//! **worker** owns every engine [`Session`](leanstream_engine::forward::Session), decides who
+//! runs next, runs the forward passes and writes each token to its pipe. What a generation *is*
+//! (sampling, stop rules, detokenising, timings) is the engine's [`Stepper`]; this module only
+//! drives steppers.
+//!
+//! ```text
+//! state owner ──Commands──▶ admission ──admitted work──▶ worker ──tokens──▶ pipes
+//!      ▲                        │ refusals                 │
+//!      └────────── Report ──────┴──────────────────────────┘
+//! ```
 //!
 //! Policy, one round at a time:
 //!
 //! 1. **Class first.** Only generations of the most urgent [`Priority`] with work to do take
 //!    steps; a lower class waits. A request of a more urgent class pre-empts a CPU pass in
-//!    flight: sending it raises an urgency mark ([`Commands`]) that the pass checks before each
-//!    layer, and a pass of a less urgent class gives itself up there (its sessions do not
-//!    advance, and run the same step again later: the same bits). The newcomer thus waits for
-//!    one layer, not a whole pass. Commands are taken after every pass, and a round ends early
-//!    when a more urgent generation has arrived. A GPU pass runs to its end.
+//!    flight: once the admission stage has admitted it, handing it to the worker raises an
+//!    urgency mark that the pass checks before each layer, and a pass of a less urgent class
+//!    gives itself up there (its sessions do not advance, and run the same step again later: the
+//!    same bits). The newcomer thus waits for one layer, not a whole pass. A request that is
+//!    refused at admission (a grammar that does not compile, a prompt longer than the context)
+//!    never raises the mark, so it costs the generations in flight nothing. Commands are taken
+//!    after every pass, and a round ends early when a more urgent generation has arrived. A GPU
+//!    pass runs to its end.
 //! 2. **Within a class, turns.** Every generation of the class takes one step per round, the
 //!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
 //!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through the batched pass; one
@@ -27,8 +39,15 @@
 //! 4. **Tokens out at once.** A sampled token is written to its pipe before any other forward
 //!    pass starts.
 //!
-//! A prompt that starts with tokens another session of the model has run (a system prompt)
-//! starts from their shared keys and values instead of computing them (see [`prefix`]).
+//! Memory: when the worker starts a generation it reserves at once the KV its whole prompt and
+//! first generated token will fill; a request whose reservation does not fit is refused with
+//! `OverBudget` before it runs. Prompts that arrive together therefore each get all they need or
+//! are refused one by one, instead of each getting part of it and all failing half-way. Decode
+//! steps reserve block by block as before.
+//!
+//! A prompt that starts with tokens another session of the same user and model has run (a
+//! system prompt) starts from their shared keys and values instead of computing them (see
+//! [`prefix`]).
 //!
 //! Sessions on one model share its `Arc<Model>` (weights, tokenizer) and, in a sparse mode, its
 //! FFN pipeline with the neuron cache (see [`crate::loader`]); each owns its KV cache.
@@ -43,6 +62,7 @@
 //! scheduler skips it until the pipe drains), never the others. A write error (EPIPE: the reader
 //! closed its end) cancels that generation quietly.
 
+mod admit;
 mod passes;
 mod pipe;
 mod prefix;
@@ -53,7 +73,7 @@ mod tests;
 use std::collections::BTreeMap;
 use std::io::PipeWriter;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -65,7 +85,8 @@ use leanstream_engine::sample::SamplerConfig;
 
 pub use crate::loader::LoadedModel;
 use crate::memory::SessionId;
-use run::Run;
+use admit::{Admission, Admitted, Work, WorkQueue};
+use run::{Room, Run};
 
 /// What to generate from.
 #[derive(Debug)]
@@ -82,7 +103,7 @@ pub struct GenSpec {
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
-    /// A grammar the output must match, compiled when the generation starts.
+    /// A grammar the output must match, compiled at admission.
     pub grammar: Option<(GrammarKind, String)>,
     pub priority: Priority,
     /// The first token should be out this long after the request.
@@ -91,16 +112,21 @@ pub struct GenSpec {
     pub within: Option<Duration>,
 }
 
-/// Commands to the scheduler thread.
+/// Commands to the scheduler, taken in the order they are sent.
 #[derive(Debug)]
 pub enum Command {
     Open {
         id: SessionId,
         model: Arc<LoadedModel>,
         session: Box<dyn Decode + Send>,
+        /// The uid of the session's owner: prompt prefixes are shared only between sessions of
+        /// one user (see [`prefix`]).
+        user: u32,
     },
     /// Drops the session (and cancels its generation without a final event: the stream just ends).
     Close { id: SessionId },
+    /// Starts a generation. The reply is `Ok` once it runs, or the reason it was refused (a
+    /// refusal is reported as [`Report::Finished`] before the reply is sent).
     Generate {
         id: SessionId,
         input: Input,
@@ -114,10 +140,11 @@ pub enum Command {
     Shutdown,
 }
 
-/// Reports from the scheduler thread to the state owner.
+/// Reports from the scheduler's threads to the state owner.
 #[derive(Debug)]
 pub enum Report {
-    /// A `Generate` command is over (`accepted` false: it was refused up front).
+    /// A `Generate` command is over (`accepted` false: it was refused up front, and `position`
+    /// is where the session stands after the refusal).
     Finished {
         id: SessionId,
         accepted: bool,
@@ -128,11 +155,12 @@ pub enum Report {
     Dropped { id: SessionId },
 }
 
-/// Where the scheduler reserves memory before a session's KV cache grows: the state owner, which
-/// asks the arbiter (shrinking neuron caches first when needed). Blocking: the scheduler waits
-/// for the answer before it allocates.
+/// Where the scheduler reserves memory before a session's KV cache grows or a model keeps
+/// more: the state owner, which asks the arbiter (shrinking neuron caches first when needed).
+/// Blocking: the calling thread waits for the answer before it allocates.
 pub trait SessionBudget: Send {
-    /// Sets session `id`'s reservation to `bytes`; `OverBudget` when that does not fit.
+    /// Sets session `id`'s reservation to `bytes` (absolute, not a delta); `OverBudget` when
+    /// that does not fit.
     fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError>;
     /// Adds `bytes` to model `name`'s reservation for the rest of its life; `OverBudget`
     /// when that does not fit.
@@ -141,44 +169,29 @@ pub trait SessionBudget: Send {
     fn shrink_model(&self, name: &str, bytes: u64);
 }
 
-/// Handle of the scheduler thread.
+/// Handle of the scheduler's threads.
 #[derive(Debug)]
 pub struct Scheduler {
     pub tx: Commands,
+    /// The admission stage's thread, which joins the worker's before it ends: once it is
+    /// joined, both have stopped.
     pub thread: std::thread::JoinHandle<()>,
 }
 
-/// The scheduler's inbox, cloned by whoever gives it work. Sending a `Generate` also raises the
-/// urgency mark to the request's class; a CPU pass of a less urgent class sees it before its
-/// next layer and gives itself up (see the module docs, step 1).
+/// The scheduler's inbox (its admission stage's), cloned by whoever gives it work.
 #[derive(Clone, Debug)]
 pub struct Commands {
     tx: Sender<Command>,
-    /// The most urgent class sent since the scheduler last took its commands, as
-    /// [`urgency`]; 0 when none.
-    waiting: Arc<AtomicU8>,
 }
 
 impl Commands {
-    /// Hands `cmd` to the scheduler; `Gone` once its thread has stopped.
+    /// Hands `cmd` to the scheduler; `Gone` once its threads have stopped.
     pub fn send(&self, cmd: Command) -> Result<(), Gone> {
-        let class = match &cmd {
-            Command::Generate { spec, .. } => Some(spec.priority),
-            _ => None,
-        };
-        self.tx.send(cmd).map_err(|_| Gone)?;
-        // Marked after the send: the scheduler clears the mark before it takes its commands,
-        // so a mark always belongs to a command it has not taken yet or has just taken (then
-        // at most one pass is given up for nothing, and the mark is cleared again before the
-        // next one).
-        if let Some(class) = class {
-            self.waiting.fetch_max(urgency(class), Ordering::AcqRel);
-        }
-        Ok(())
+        self.tx.send(cmd).map_err(|_| Gone)
     }
 }
 
-/// The scheduler thread has stopped: a command could not be handed to it.
+/// The scheduler's threads have stopped: a command could not be handed to them.
 #[derive(Debug)]
 pub struct Gone;
 
@@ -191,54 +204,103 @@ fn urgency(class: Priority) -> u8 {
     }
 }
 
+/// Stack of the admission and worker threads. Compiling a grammar (admission) and computing its
+/// token mask at every constrained step (worker) recurse as deep as the grammar nests; the
+/// engine bounds that nesting, and this size leaves what the bounds let through wide headroom
+/// (the default 2 MiB does not: a chain of a thousand Lark rules overflowed it). It is address
+/// space, not memory: the kernel backs only the pages a recursion actually touches, so a shallow
+/// grammar costs what it would on a small stack.
+const STACK_BYTES: usize = 64 << 20;
+
 impl Scheduler {
-    /// Starts the scheduler thread and waits until it is up (the ready handshake).
+    /// Starts the worker and admission threads and waits until both are up (the ready
+    /// handshake). `budget` is called once per thread that reserves memory (the admission stage
+    /// for grammar tries, the worker for KV caches and shared prefixes): each gets its own.
     pub fn start(
         reports: tokio::sync::mpsc::UnboundedSender<Report>,
-        budget: Box<dyn SessionBudget>,
+        budget: impl Fn() -> Box<dyn SessionBudget>,
     ) -> std::io::Result<Scheduler> {
         let (tx, rx) = std::sync::mpsc::channel();
-        let waiting = Arc::new(AtomicU8::new(0));
-        let tx = Commands {
-            tx,
-            waiting: Arc::clone(&waiting),
+        let (work, work_rx, waiting) = WorkQueue::new();
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(2);
+        let worker = Worker {
+            rx: work_rx,
+            waiting,
+            reports: reports.clone(),
+            budget: budget(),
+            sessions: BTreeMap::new(),
         };
-        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
-        let thread = std::thread::Builder::new()
+        let ready = ready_tx.clone();
+        let worker = std::thread::Builder::new()
             .name("leanstream-sched".into())
+            .stack_size(STACK_BYTES)
+            .spawn(move || {
+                let _ = ready.send(());
+                worker.run();
+            })?;
+        let admission = Admission::new(rx, work, reports, budget());
+        let thread = std::thread::Builder::new()
+            .name("leanstream-admit".into())
+            .stack_size(STACK_BYTES)
             .spawn(move || {
                 let _ = ready_tx.send(());
-                Worker {
-                    rx,
-                    waiting,
-                    reports,
-                    budget,
-                    sessions: BTreeMap::new(),
+                admission.run();
+                // Shutting down (or the worker is gone): wait for the worker's last flush.
+                if worker.join().is_err() {
+                    tracing::error!("the scheduler's worker thread panicked");
                 }
-                .run();
             })?;
-        ready_rx
-            .recv()
-            .map_err(|_| std::io::Error::other("the scheduler thread died while starting"))?;
-        Ok(Scheduler { tx, thread })
+        for _ in 0..2 {
+            ready_rx
+                .recv()
+                .map_err(|_| std::io::Error::other("a scheduler thread died while starting"))?;
+        }
+        Ok(Scheduler {
+            tx: Commands { tx },
+            thread,
+        })
     }
+}
+
+/// Answers a `Generate` that will not run: the state owner hears of it first (and clears the
+/// session's busy flag), then the caller, so that by the time the caller can try again the
+/// session is free. Both scheduler threads refuse through here.
+fn refuse(
+    reports: &tokio::sync::mpsc::UnboundedSender<Report>,
+    id: SessionId,
+    position: u32,
+    reply: tokio::sync::oneshot::Sender<Result<(), LeanStreamError>>,
+    error: LeanStreamError,
+) {
+    let _ = reports.send(Report::Finished {
+        id,
+        accepted: false,
+        generated: 0,
+        position,
+    });
+    let _ = reply.send(Err(error));
 }
 
 /// One open session: its model, its engine session and what its KV cache holds.
 #[derive(Debug)]
 struct Entry {
     model: Arc<LoadedModel>,
+    /// The uid of the session's owner.
+    user: u32,
     session: Box<dyn Decode + Send>,
     /// The tokens in the KV cache, in order.
     seen: Vec<u32>,
     /// The generation in flight, if any.
     run: Option<Run>,
+    /// The position last reported to the state owner, shared with the admission stage, whose
+    /// refusals report it (nothing moves a session between its generations).
+    reported: Arc<AtomicU32>,
 }
 
-/// The scheduler thread's state.
+/// The worker thread's state.
 struct Worker {
-    rx: Receiver<Command>,
-    /// The urgency mark of [`Commands`].
+    rx: Receiver<Work>,
+    /// The urgency mark of [`WorkQueue`].
     waiting: Arc<AtomicU8>,
     reports: tokio::sync::mpsc::UnboundedSender<Report>,
     budget: Box<dyn SessionBudget>,
@@ -341,19 +403,27 @@ impl Worker {
         false
     }
 
-    /// Handles a command; returns true on shutdown.
-    fn handle(&mut self, cmd: Command) -> bool {
-        match cmd {
-            Command::Open { id, model, session } => {
+    /// Handles what the admission stage handed on; returns true on shutdown.
+    fn handle(&mut self, work: Work) -> bool {
+        match work {
+            Work::Open {
+                id,
+                model,
+                session,
+                user,
+                reported,
+            } => {
                 let entry = Entry {
                     model,
+                    user,
                     session,
                     seen: Vec::new(),
                     run: None,
+                    reported,
                 };
                 self.sessions.insert(id, entry);
             }
-            Command::Close { id } => {
+            Work::Close { id } => {
                 if let Some(mut s) = self.sessions.remove(&id) {
                     if s.run.take().is_some() {
                         self.finished(id, true, 0, 0);
@@ -363,28 +433,22 @@ impl Worker {
                     let _ = self.reports.send(Report::Dropped { id });
                 }
             }
-            Command::Cancel { id } => {
+            Work::Cancel { id } => {
                 if let Some(r) = self.sessions.get_mut(&id).and_then(|s| s.run.as_mut()) {
                     r.end_with_error("Cancelled", "the generation was cancelled");
                 }
             }
-            Command::Generate {
-                id,
-                input,
-                spec,
-                out,
-                reply,
-            } => {
-                let result = self.start(id, input, spec, out);
-                // A refusal is reported to the state owner before the caller hears of it, so
-                // the session is no longer busy by the time the caller can try again.
-                if result.is_err() {
+            Work::Generate { admitted, reply } => {
+                let id = admitted.id;
+                if let Err(e) = self.start(*admitted) {
                     let position = self.position(id);
-                    self.finished(id, false, 0, position);
+                    self.note_position(id, position);
+                    refuse(&self.reports, id, position, reply, e);
+                } else {
+                    let _ = reply.send(Ok(()));
                 }
-                let _ = reply.send(result);
             }
-            Command::Shutdown => return true,
+            Work::Shutdown => return true,
         }
         false
     }
@@ -395,7 +459,15 @@ impl Worker {
             .map_or(0, |s| s.session.position() as u32)
     }
 
+    /// Shares `position` with the admission stage, before the state owner hears of it.
+    fn note_position(&self, id: SessionId, position: u32) {
+        if let Some(s) = self.sessions.get(&id) {
+            s.reported.store(position, Ordering::Release);
+        }
+    }
+
     fn finished(&self, id: SessionId, accepted: bool, generated: u64, position: u32) {
+        self.note_position(id, position);
         let _ = self.reports.send(Report::Finished {
             id,
             accepted,
@@ -404,42 +476,26 @@ impl Worker {
         });
     }
 
-    /// Tokenises the input and installs the generation; errors are for the caller.
-    fn start(
-        &mut self,
-        id: SessionId,
-        input: Input,
-        spec: GenSpec,
-        out: PipeWriter,
-    ) -> Result<(), LeanStreamError> {
-        let received = Instant::now();
-        let invalid = |e: leanstream_engine::Error| LeanStreamError::InvalidArgument(e.to_string());
+    /// Installs an admitted generation: reuses what the session's KV cache holds or adopts a
+    /// shared prefix, then reserves the KV the rest of the prompt will fill. Errors (the
+    /// reservation refused, above all) are for the caller; nothing has run then.
+    fn start(&mut self, admitted: Admitted) -> Result<(), LeanStreamError> {
+        let Admitted {
+            id,
+            ids,
+            constraint,
+            spec,
+            out,
+            received,
+        } = admitted;
         let s = entry(&mut self.sessions, id)?;
         if s.run.is_some() {
             return Err(LeanStreamError::Busy(
                 "a generation is already running on this session".into(),
             ));
         }
-        let text = match input {
-            Input::Text(t) => t,
-            Input::Chat(messages) => s.model.template.render(&messages, true).map_err(invalid)?,
-        };
-        let tok = &s.model.model.tokenizer;
-        let ids = tok.encode(&text).map_err(invalid)?;
-        if ids.is_empty() {
-            return Err(LeanStreamError::InvalidArgument(
-                "the prompt encodes to no tokens".into(),
-            ));
-        }
-        let max = s.session.max_context();
-        if ids.len() > max {
-            return Err(LeanStreamError::InvalidArgument(format!(
-                "the prompt is {} tokens; the session's context holds {max}",
-                ids.len()
-            )));
-        }
         // Reuse the KV cache when the new prompt extends what the session has seen; else start
-        // from a prefix other sessions share, if there is one.
+        // from a prefix other sessions of its user share, if there is one.
         if !(s.seen.len() < ids.len() && ids.starts_with(&s.seen)) {
             s.session.reset();
             s.seen.clear();
@@ -455,19 +511,12 @@ impl Worker {
             strings: spec.stop.clone(),
         };
         let (seen, prompt) = ids.split_at(s.seen.len());
-        let room = max - seen.len();
+        let room = s.session.max_context() - seen.len();
         let vocab = s.model.model.weights.config.vocab_size;
         let stepper = Stepper::new(prompt, seen, room, spec.sampler.clone(), vocab, rules)
-            .map_err(invalid)?;
-        let constraint = match &spec.grammar {
-            Some((kind, text)) => {
-                let budget = self.budget.as_ref();
-                let reserve = |bytes| budget.grow_model(&s.model.name, bytes);
-                Some(s.model.grammar(*kind, text, reserve)?.start())
-            }
-            None => None,
-        };
-        pipe::set_nonblocking(&out)?;
+            .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+        let budget = self.budget.as_ref();
+        let reserved = Room { id, budget }.reserve_prompt(s.session.as_ref(), &stepper)?;
         s.run = Some(Run::new(
             stepper,
             constraint,
@@ -475,12 +524,14 @@ impl Worker {
             &spec,
             received,
             ids.len(),
+            reserved,
         ));
         Ok(())
     }
 
     /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
-    /// is gone).
+    /// is gone), handing back what its reservation holds beyond the session's bytes (a prompt
+    /// cancelled before it filled what was reserved for it).
     fn settle(&mut self, id: SessionId) {
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
@@ -491,6 +542,10 @@ impl Worker {
         if r.flush_is_over()
             && let Some(r) = s.run.take()
         {
+            let held = s.session.bytes();
+            if r.reserved > held {
+                let _ = self.budget.resize(id, held); // a decrease
+            }
             let position = s.session.position() as u32;
             self.finished(id, true, r.stepper.ids().len() as u64, position);
         }
@@ -528,7 +583,10 @@ fn entry(
     sessions: &mut BTreeMap<SessionId, Entry>,
     id: SessionId,
 ) -> Result<&mut Entry, LeanStreamError> {
-    sessions
-        .get_mut(&id)
-        .ok_or_else(|| LeanStreamError::Internal(format!("session {id} is not open")))
+    sessions.get_mut(&id).ok_or_else(|| not_open(id))
+}
+
+/// The error for a command about session `id`, which is not open.
+fn not_open(id: SessionId) -> LeanStreamError {
+    LeanStreamError::Internal(format!("session {id} is not open"))
 }

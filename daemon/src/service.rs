@@ -1,6 +1,7 @@
-//! The D-Bus objects: thin. Each method validates its input, sends a [`Request`] to the state
-//! owner and awaits the reply. The caller's identity is the sender's unique name from the message
-//! header (set by the bus, so it cannot be forged).
+//! The D-Bus objects: thin. Each method enters the caller's bound on calls in flight
+//! ([`crate::calls`]), validates its input, sends a [`Request`] to the state owner and awaits the
+//! reply (`ListModels` is answered by the [`Catalog`] instead). The caller's identity is the
+//! sender's unique name from the message header (set by the bus, so it cannot be forged).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,8 @@ use zbus::message::Header;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::access;
+use crate::calls::{Calls, InFlight};
+use crate::catalog::Catalog;
 use crate::config::{KeepAlive, Params};
 use crate::memory::SessionId;
 use crate::models::{self, ModelFile};
@@ -37,6 +40,24 @@ fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
         .sender()
         .map(|s| s.to_string())
         .ok_or_else(|| LeanStreamError::AccessDenied("the call has no sender".into()))
+}
+
+/// What every D-Bus object of the daemon holds: the way to the state owner, the settings and
+/// the bound on calls in flight.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    pub tx: mpsc::Sender<Request>,
+    pub params: Arc<Params>,
+    pub calls: Calls,
+}
+
+impl Shared {
+    /// The caller's name, once its call has entered its bound on calls in flight.
+    fn enter(&self, header: &Header<'_>) -> Result<(String, InFlight), LeanStreamError> {
+        let client = caller(header)?;
+        let call = self.calls.enter(&client)?;
+        Ok((client, call))
+    }
 }
 
 /// Resolves a model name in the model directory, off the async workers.
@@ -122,8 +143,8 @@ fn check_prompt(len: usize, params: &Params) -> Result<(), LeanStreamError> {
 /// `io.github.leanstream.LeanStream1.Manager` at [`leanstream::contract::MANAGER_PATH`].
 #[derive(Debug)]
 pub struct Manager {
-    pub tx: mpsc::Sender<Request>,
-    pub params: Arc<Params>,
+    pub shared: Shared,
+    pub catalog: Catalog,
 }
 
 #[interface(name = "io.github.leanstream.LeanStream1.Manager")]
@@ -133,22 +154,25 @@ impl Manager {
     #[zbus(out_args("models"))]
     async fn list_models(
         &self,
-        #[zbus(header)] _header: Header<'_>,
+        #[zbus(header)] header: Header<'_>,
     ) -> Result<Vec<ModelInfo>, LeanStreamError> {
-        ask(&self.tx, |reply| Request::ListModels { reply }).await
+        let _call = self.shared.enter(&header)?;
+        self.catalog.list().await
     }
 
+    /// Loads a model and pins it for the caller's user: it stays loaded until that user (or an
+    /// admin) unloads it.
     async fn load_model(
         &self,
         #[zbus(header)] header: Header<'_>,
         name: &str,
     ) -> Result<(), LeanStreamError> {
-        let client = caller(&header)?;
-        let file = resolve(&self.params, name).await?;
-        ask(&self.tx, |reply| Request::LoadModel {
+        let (client, _call) = self.shared.enter(&header)?;
+        let file = resolve(&self.shared.params, name).await?;
+        ask(&self.shared.tx, |reply| Request::LoadModel {
             file,
             client,
-            keep_alive: None,
+            keep_alive: KeepAlive::Forever,
             reply,
         })
         .await
@@ -163,6 +187,7 @@ impl Manager {
         name: &str,
         keep_alive_seconds: i64,
     ) -> Result<(), LeanStreamError> {
+        let (client, _call) = self.shared.enter(&header)?;
         let keep_alive = match KeepAlive::from_seconds(keep_alive_seconds) {
             Ok(KeepAlive::UntilLastClose) => {
                 return Err(LeanStreamError::InvalidArgument(
@@ -171,13 +196,11 @@ impl Manager {
                         .into(),
                 ));
             }
-            Ok(KeepAlive::Forever) => None,
-            Ok(k) => Some(k),
+            Ok(k) => k,
             Err(reason) => return Err(LeanStreamError::InvalidArgument(reason)),
         };
-        let client = caller(&header)?;
-        let file = resolve(&self.params, name).await?;
-        ask(&self.tx, |reply| Request::LoadModel {
+        let file = resolve(&self.shared.params, name).await?;
+        ask(&self.shared.tx, |reply| Request::LoadModel {
             file,
             client,
             keep_alive,
@@ -186,10 +209,23 @@ impl Manager {
         .await
     }
 
-    async fn unload_model(&self, name: &str) -> Result<(), LeanStreamError> {
+    /// Gives up the caller's user's hold on a model (its pin or lifetime) and unloads it when
+    /// no other user holds it. `AccessDenied` when other users hold it and the caller's user
+    /// does not (an admin gives up every hold).
+    async fn unload_model(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        name: &str,
+    ) -> Result<(), LeanStreamError> {
+        let (client, _call) = self.shared.enter(&header)?;
         models::check_name(name)?;
         let name = name.to_string();
-        ask(&self.tx, |reply| Request::UnloadModel { name, reply }).await
+        ask(&self.shared.tx, |reply| Request::UnloadModel {
+            name,
+            client,
+            reply,
+        })
+        .await
     }
 
     #[zbus(out_args("session"))]
@@ -199,15 +235,16 @@ impl Manager {
         model: &str,
         context_tokens: u32,
     ) -> Result<OwnedObjectPath, LeanStreamError> {
-        let client = caller(&header)?;
-        if context_tokens as usize > self.params.max_context {
+        let (client, _call) = self.shared.enter(&header)?;
+        let params = &self.shared.params;
+        if context_tokens as usize > params.max_context {
             return Err(LeanStreamError::InvalidArgument(format!(
                 "context of {context_tokens} tokens is over the limit of {}",
-                self.params.max_context
+                params.max_context
             )));
         }
-        let file = resolve(&self.params, model).await?;
-        ask(&self.tx, |reply| Request::OpenSession {
+        let file = resolve(params, model).await?;
+        ask(&self.shared.tx, |reply| Request::OpenSession {
             file,
             context: context_tokens,
             client,
@@ -226,10 +263,10 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(MemoryReport,), LeanStreamError> {
-        let client = caller(&header)?;
-        let everyone =
-            access::sees_everything(conn, &client, self.params.admin_group.as_deref()).await;
-        let report = ask(&self.tx, |reply| Request::Memory { reply }).await?;
+        let (client, _call) = self.shared.enter(&header)?;
+        let admin_group = self.shared.params.admin_group.as_deref();
+        let everyone = access::sees_everything(conn, &client, admin_group).await;
+        let report = ask(&self.shared.tx, |reply| Request::Memory { reply }).await?;
         Ok((if everyone {
             report
         } else {
@@ -244,7 +281,7 @@ impl Manager {
 
     #[zbus(property)]
     fn backend(&self) -> String {
-        self.params.backend.name().to_string()
+        self.shared.params.backend.name().to_string()
     }
 }
 
@@ -252,13 +289,12 @@ impl Manager {
 #[derive(Debug)]
 pub struct SessionObject {
     id: SessionId,
-    tx: mpsc::Sender<Request>,
-    params: Arc<Params>,
+    shared: Shared,
 }
 
 impl SessionObject {
-    pub fn new(id: SessionId, tx: mpsc::Sender<Request>, params: Arc<Params>) -> SessionObject {
-        SessionObject { id, tx, params }
+    pub fn new(id: SessionId, shared: Shared) -> SessionObject {
+        SessionObject { id, shared }
     }
 
     async fn start(
@@ -268,18 +304,19 @@ impl SessionObject {
         input: Input,
         params: &GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
-        let client = caller(header)?;
-        let spec = validate_params(params, &self.params)?;
+        let (client, _call) = self.shared.enter(header)?;
+        let spec = validate_params(params, &self.shared.params)?;
+        let admin_group = self.shared.params.admin_group.as_deref();
         // The realtime class can starve everyone else: only privileged callers may ask for it.
         if spec.priority == Priority::Realtime
-            && !access::sees_everything(conn, &client, self.params.admin_group.as_deref()).await
+            && !access::sees_everything(conn, &client, admin_group).await
         {
             return Err(LeanStreamError::AccessDenied(
                 "the realtime priority is for root, the daemon's user and the admin group".into(),
             ));
         }
         let id = self.id;
-        ask(&self.tx, |reply| Request::Generate {
+        ask(&self.shared.tx, |reply| Request::Generate {
             id,
             client,
             input,
@@ -300,7 +337,7 @@ impl SessionObject {
         prompt: &str,
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
-        check_prompt(prompt.len(), &self.params)?;
+        check_prompt(prompt.len(), &self.shared.params)?;
         self.start(&header, conn, Input::Text(prompt.to_string()), &params)
             .await
     }
@@ -322,7 +359,7 @@ impl SessionObject {
             .iter()
             .map(|m| m.content.len() + m.role.len())
             .sum();
-        check_prompt(total, &self.params)?;
+        check_prompt(total, &self.shared.params)?;
         if messages
             .iter()
             .any(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool"))
@@ -340,15 +377,25 @@ impl SessionObject {
     }
 
     async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
-        let client = caller(&header)?;
+        let (client, _call) = self.shared.enter(&header)?;
         let id = self.id;
-        ask(&self.tx, |reply| Request::Cancel { id, client, reply }).await
+        ask(&self.shared.tx, |reply| Request::Cancel {
+            id,
+            client,
+            reply,
+        })
+        .await
     }
 
     async fn close(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
-        let client = caller(&header)?;
+        let (client, _call) = self.shared.enter(&header)?;
         let id = self.id;
-        ask(&self.tx, |reply| Request::Close { id, client, reply }).await
+        ask(&self.shared.tx, |reply| Request::Close {
+            id,
+            client,
+            reply,
+        })
+        .await
     }
 
     #[zbus(out_args("stats"))]
@@ -356,9 +403,14 @@ impl SessionObject {
         &self,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(SessionStats,), LeanStreamError> {
-        let client = caller(&header)?;
+        let (client, _call) = self.shared.enter(&header)?;
         let id = self.id;
-        let stats = ask(&self.tx, |reply| Request::Stats { id, client, reply }).await?;
+        let stats = ask(&self.shared.tx, |reply| Request::Stats {
+            id,
+            client,
+            reply,
+        })
+        .await?;
         Ok((stats,))
     }
 }

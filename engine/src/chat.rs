@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
+mod literal;
+
 /// The fallback template for models that ship none: ChatML, as `transformers` defines it
 /// (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, then `<|im_start|>assistant\n` when
 /// a generation prompt is asked for). It adds no system message and no bos token.
@@ -114,7 +116,9 @@ impl ChatTemplate {
 
     /// Renders the conversation into prompt text. With `add_generation_prompt` the text ends
     /// where the assistant's reply begins. Errors (including `raise_exception` calls from the
-    /// template, e.g. "roles must alternate") are [`Error::ChatTemplate`].
+    /// template, e.g. "roles must alternate") are [`Error::ChatTemplate`]. To tokenise a
+    /// prompt whose messages come from a client, use [`ChatTemplate::render_ids`]: encoding
+    /// this text would turn a control token spelled in a message into the control token.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let tmpl = self.env.get_template(NAME).map_err(template_error)?;
         tmpl.render(context! {
@@ -124,6 +128,12 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
         })
         .map_err(template_error)
+    }
+
+    /// The template's Jinja source.
+    fn source(&self) -> Result<String> {
+        let tmpl = self.env.get_template(NAME).map_err(template_error)?;
+        Ok(tmpl.source().to_string())
     }
 }
 

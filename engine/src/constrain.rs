@@ -12,8 +12,11 @@
 //!
 //! 1. [`ConstraintVocab::new`] — once per model: the token trie and the parser factory, shared
 //!    (`Arc`) by every session of the model.
-//! 2. [`Grammar::json_schema`] / [`Grammar::lark`] / [`Grammar::regex`] — once per schema: the
-//!    compiled grammar. A bad schema is an [`Error::InvalidGrammar`].
+//! 2. [`Grammar::new`] (or [`Grammar::json_schema`] / [`Grammar::lark`] / [`Grammar::regex`]) —
+//!    once per schema: the text checked against the limits that keep llguidance's recursion
+//!    within a thread's stack ([`MAX_LARK_DEPTH`], [`MAX_SCHEMA_DEPTH`], ...), then the compiled
+//!    grammar. A bad or over-limit schema, or one no text matches, is an
+//!    [`Error::InvalidGrammar`] with a one-line reason.
 //! 3. [`Grammar::start`] — once per generation: a [`Constraint`], the parser's state.
 //! 4. Per token: [`Constraint::mask`] on the logits before sampling, [`Constraint::advance`]
 //!    with the sampled id after. Once the grammar is complete ([`Constraint::is_done`]) the mask
@@ -27,6 +30,12 @@ use llguidance::{Matcher, ParserFactory};
 
 use crate::tokenizer::{TokenBytes, Tokenizer};
 use crate::{Error, Result};
+
+mod limits;
+
+pub use limits::{
+    MAX_LARK_DEPTH, MAX_LARK_RULES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NESTING, MAX_SCHEMA_REFS,
+};
 
 /// What a [`Grammar`] was compiled from; names the input in [`Error::InvalidGrammar`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,8 +133,10 @@ impl ConstraintVocab {
         let env: TokEnv = Arc::new(TrieEnv { trie });
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        // Errors come back as values; nothing is printed to stderr from the daemon's threads.
+        // Errors come back as values; nothing is printed to stderr from the daemon's threads, and
+        // no parser state dump rides along in them.
         factory.quiet();
+        factory.limits_mut().verbose_errors = false;
         Ok(Arc::new(ConstraintVocab {
             factory,
             eos,
@@ -162,13 +173,13 @@ impl std::fmt::Debug for Grammar {
 
 impl Grammar {
     /// Compiles `text` as a grammar of `kind`: [`Grammar::json_schema`], [`Grammar::lark`] or
-    /// [`Grammar::regex`].
+    /// [`Grammar::regex`]. The text is measured first and refused past this module's limits
+    /// ([`MAX_LARK_DEPTH`] and the others, which keep llguidance's recursion within a 2 MiB
+    /// stack), then compiled, then refused if no text at all can match it.
     pub fn new(vocab: &Arc<ConstraintVocab>, kind: GrammarKind, text: &str) -> Result<Grammar> {
-        match kind {
-            GrammarKind::JsonSchema => Grammar::json_schema(vocab, text),
-            GrammarKind::Lark => Grammar::lark(vocab, text),
-            GrammarKind::Regex => Grammar::regex(vocab, text),
-        }
+        let grammar =
+            top_level(kind, text, true).map_err(|reason| Error::InvalidGrammar { kind, reason })?;
+        Grammar::compile(vocab, kind, grammar)
     }
 
     /// Compiles a JSON Schema (draft 2020-12 subset: types, `enum`, `const`, `properties`,
@@ -176,48 +187,30 @@ impl Grammar {
     /// numeric bounds, `anyOf`, `$ref`/`$defs`). The text is one line of JSON with `", "` and
     /// `": "` separators unless the schema sets llguidance's own `x-guidance` options.
     pub fn json_schema(vocab: &Arc<ConstraintVocab>, schema: &str) -> Result<Grammar> {
-        let kind = GrammarKind::JsonSchema;
-        let mut value: serde_json::Value =
-            serde_json::from_str(schema).map_err(|e| Error::InvalidGrammar {
-                kind,
-                reason: format!("not JSON: {e}"),
-            })?;
-        match &mut value {
-            serde_json::Value::Object(obj) => {
-                // Flexible whitespace lets a small model pad forever; one line reads the same.
-                obj.entry("x-guidance").or_insert_with(|| {
-                    serde_json::json!({
-                        "whitespace_flexible": false,
-                        "item_separator": ", ",
-                        "key_separator": ": ",
-                    })
-                });
-            }
-            serde_json::Value::Bool(_) => {}
-            _ => {
-                return Err(Error::InvalidGrammar {
-                    kind,
-                    reason: "a schema is a JSON object or a boolean".into(),
-                });
-            }
-        }
-        Grammar::compile(vocab, kind, TopLevelGrammar::from_json_schema(value))
+        Grammar::new(vocab, GrammarKind::JsonSchema, schema)
     }
 
     /// Compiles a grammar in llguidance's Lark dialect (`start: ...` rules, `/regex/` lexemes,
     /// `%json {...}` for an embedded JSON Schema).
     pub fn lark(vocab: &Arc<ConstraintVocab>, grammar: &str) -> Result<Grammar> {
-        let kind = GrammarKind::Lark;
-        Grammar::compile(vocab, kind, TopLevelGrammar::from_lark(grammar.to_string()))
+        Grammar::new(vocab, GrammarKind::Lark, grammar)
     }
 
     /// Compiles a regex (Rust `regex` syntax) the whole text must match.
     pub fn regex(vocab: &Arc<ConstraintVocab>, regex: &str) -> Result<Grammar> {
-        Grammar::compile(
-            vocab,
-            GrammarKind::Regex,
-            TopLevelGrammar::from_regex(regex),
-        )
+        Grammar::new(vocab, GrammarKind::Regex, regex)
+    }
+
+    /// [`Grammar::new`] without the limits: for the tests that show what they prevent.
+    #[cfg(test)]
+    pub(crate) fn without_limits(
+        vocab: &Arc<ConstraintVocab>,
+        kind: GrammarKind,
+        text: &str,
+    ) -> Result<Grammar> {
+        let grammar = top_level(kind, text, false)
+            .map_err(|reason| Error::InvalidGrammar { kind, reason })?;
+        Grammar::compile(vocab, kind, grammar)
     }
 
     fn compile(
@@ -225,7 +218,10 @@ impl Grammar {
         kind: GrammarKind,
         grammar: TopLevelGrammar,
     ) -> Result<Grammar> {
-        let invalid = |reason: String| Error::InvalidGrammar { kind, reason };
+        let invalid = |reason: String| Error::InvalidGrammar {
+            kind,
+            reason: one_line(&reason),
+        };
         let parser = vocab
             .factory
             .create_parser(grammar)
@@ -235,7 +231,18 @@ impl Grammar {
             return Err(invalid(e));
         }
         for warning in start.grammar_warnings() {
-            tracing::warn!(%kind, "grammar: {warning}");
+            tracing::warn!(%kind, "grammar: {}", one_line(&warning));
+        }
+        // A grammar no text matches (a rule that only refers to itself, an empty regex) is
+        // refused here rather than failing the first step of every generation.
+        match start.deep_clone().compute_mask_or_eos() {
+            Ok(first) if !first.is_zero() => {}
+            Ok(_) => return Err(invalid("no text can match it".into())),
+            Err(e) => {
+                let e = e.to_string();
+                let why = e.lines().next().unwrap_or_default();
+                return Err(invalid(format!("no text can match it ({why})")));
+            }
         }
         Ok(Grammar {
             vocab: vocab.clone(),
@@ -256,6 +263,68 @@ impl Grammar {
             vocab: self.vocab.clone(),
         }
     }
+}
+
+/// What llguidance compiles from `text`, after the checks of `limits` when `checked`. The
+/// error is a one-line reason.
+fn top_level(kind: GrammarKind, text: &str, checked: bool) -> Result<TopLevelGrammar, String> {
+    match kind {
+        GrammarKind::JsonSchema => {
+            if checked {
+                limits::check_schema_text(text)?;
+            }
+            let mut value: serde_json::Value =
+                serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+            if checked {
+                limits::check_schema(&value)?;
+            }
+            match &mut value {
+                serde_json::Value::Object(obj) => {
+                    // Flexible whitespace lets a small model pad forever; one line reads the same.
+                    obj.entry("x-guidance").or_insert_with(|| {
+                        serde_json::json!({
+                            "whitespace_flexible": false,
+                            "item_separator": ", ",
+                            "key_separator": ": ",
+                        })
+                    });
+                }
+                serde_json::Value::Bool(_) => {}
+                _ => return Err("a schema is a JSON object or a boolean".into()),
+            }
+            Ok(TopLevelGrammar::from_json_schema(value))
+        }
+        GrammarKind::Lark => {
+            if checked {
+                limits::check_lark(text)?;
+            }
+            Ok(TopLevelGrammar::from_lark(text.to_string()))
+        }
+        GrammarKind::Regex => Ok(TopLevelGrammar::from_regex(text)),
+    }
+}
+
+/// Most characters of a message from llguidance that an error keeps.
+const MAX_REASON_CHARS: usize = 300;
+
+/// `text` as one line of at most [`MAX_REASON_CHARS`] characters, with "…" where anything was
+/// cut: its first non-blank line, control characters as spaces. llguidance's messages can carry
+/// a source excerpt, a parser state dump or a whole regex; errors reach clients and the journal.
+fn one_line(text: &str) -> String {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or_default();
+    let mut chars = first.chars().map(|c| {
+        if c.is_control() || c == '\u{2028}' || c == '\u{2029}' {
+            ' '
+        } else {
+            c
+        }
+    });
+    let mut out: String = chars.by_ref().take(MAX_REASON_CHARS).collect();
+    if chars.next().is_some() || lines.next().is_some() {
+        out.push('…');
+    }
+    out
 }
 
 /// One generation's parser state. Per token: [`Constraint::mask`], sample, then
@@ -311,7 +380,7 @@ impl Constraint {
 }
 
 fn constraint_err(e: impl std::fmt::Display) -> Error {
-    Error::Constraint(e.to_string())
+    Error::Constraint(one_line(&e.to_string()))
 }
 
 /// Sets `logits[i]` to `-inf` where bit `i` of `allowed` is clear or past its end.

@@ -7,7 +7,12 @@
 //! `concurrency` example), [`Daemon::start`] takes `$LEANSTREAMD_BIN` if set, else builds it once
 //! per process with `cargo build --profile test --workspace --bins` (the test profile is
 //! optimised; an unoptimised forward pass would take minutes) and takes it from the target
-//! directory next to the running executable.
+//! directory next to the running executable. [`binary_under_test`] lets a test file run against
+//! another build (`$LEANSTREAMD_BIN`), e.g. the one before a fix.
+//!
+//! Other users: the private bus admits every user and its socket's directory is searchable, so
+//! a test running as root can connect as another, unprivileged user ([`Bus::connect_as`],
+//! [`Client::new_as`], [`unprivileged_users`]): the daemon tells clients apart by uid.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
@@ -118,17 +123,104 @@ pub fn daemon_binary() -> PathBuf {
     .clone()
 }
 
+/// The daemon binary a test runs: `$LEANSTREAMD_BIN` when set, else `built` (the one cargo built
+/// for the test). The override runs the tests against another build, e.g. the one before a fix,
+/// to show that they fail there.
+pub fn binary_under_test(built: &Path) -> PathBuf {
+    std::env::var_os("LEANSTREAMD_BIN").map_or_else(|| built.to_path_buf(), PathBuf::from)
+}
+
+/// A user of this machine other than root, for tests that need clients of different users.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct User {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Two different users other than root from `/etc/passwd` (`nobody` first, then by uid), for
+/// tests that need clients of two unprivileged users (the daemon treats root as an admin);
+/// `Err(why not)` when this process is not root (it cannot connect as someone else) or there
+/// are not two such users. The bus admits only users it can look up, so they must exist.
+pub fn unprivileged_users() -> Result<[User; 2], String> {
+    // SAFETY: `geteuid` has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("not running as root, so it cannot connect as other users".into());
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd")
+        .map_err(|e| format!("cannot read /etc/passwd: {e}"))?;
+    let mut users: Vec<User> = passwd
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split(':').collect();
+            let (uid, gid) = (f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?);
+            (uid != 0).then(|| User {
+                name: f[0].to_string(),
+                uid,
+                gid,
+            })
+        })
+        .collect();
+    users.sort_by_key(|u| (u.name != "nobody", u.uid));
+    users.dedup_by_key(|u| u.uid);
+    match users.as_slice() {
+        [a, b, ..] => Ok([a.clone(), b.clone()]),
+        _ => Err("/etc/passwd has fewer than two users other than root".into()),
+    }
+}
+
+/// Connects a Unix socket to `socket` as `user`: the calling thread takes the user's uid and
+/// gid for the `connect`, which is where the peer's credentials (`SO_PEERCRED`) come from. The
+/// thread keeps them: call this on a thread of its own that ends afterwards.
+fn connect_socket_as(socket: &Path, user: &User) -> Result<std::os::unix::net::UnixStream> {
+    let unchanged = libc::c_long::from(-1i8);
+    // SAFETY: raw system calls with integer arguments. Unlike libc's `setresgid`/`setresuid`,
+    // which change every thread of the process, the system calls change only the calling
+    // thread's credentials (Linux keeps them per thread); the caller's thread ends after the
+    // connect, so no other code runs as the user. The gid goes first, while still root.
+    let switched = unsafe {
+        libc::syscall(
+            libc::SYS_setresgid,
+            unchanged,
+            libc::c_long::from(user.gid),
+            unchanged,
+        ) == 0
+            && libc::syscall(
+                libc::SYS_setresuid,
+                unchanged,
+                libc::c_long::from(user.uid),
+                unchanged,
+            ) == 0
+    };
+    if !switched {
+        bail!(
+            "cannot take uid {} on a thread: {}",
+            user.uid,
+            std::io::Error::last_os_error()
+        );
+    }
+    std::os::unix::net::UnixStream::connect(socket)
+        .with_context(|| format!("connecting to {} as {}", socket.display(), user.name))
+}
+
 /// A private bus: `dbus-daemon` with a session-style config on a socket in a temp dir.
 #[derive(Debug)]
 pub struct Bus {
     child: Child,
     pub address: String,
+    /// The bus's socket.
+    socket: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl Bus {
     pub fn start() -> Result<Bus> {
         let dir = tempfile::tempdir()?;
+        // Other users reach the socket through the directory (search only: they list nothing).
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )?;
         let conf = dir.path().join("bus.conf");
         std::fs::write(
             &conf,
@@ -140,6 +232,8 @@ impl Bus {
   <listen>unix:path={}/bus</listen>
   <auth>EXTERNAL</auth>
   <policy context="default">
+    <!-- Every user may connect (a session bus admits only its own): tests connect as others. -->
+    <allow user="*"/>
     <allow send_destination="*" eavesdrop="true"/>
     <allow eavesdrop="true"/>
     <allow own="*"/>
@@ -169,6 +263,7 @@ impl Bus {
         Ok(Bus {
             child,
             address,
+            socket: dir.path().join("bus"),
             _dir: dir,
         })
     }
@@ -176,6 +271,21 @@ impl Bus {
     /// A new client connection (its own unique name).
     pub async fn connect(&self) -> Result<zbus::Connection> {
         Ok(zbus::connection::Builder::address(self.address.as_str())?
+            .build()
+            .await?)
+    }
+
+    /// A new client connection of `user` (see [`unprivileged_users`]): the bus, and the
+    /// daemon asking it, see that user's uid. This process must be root.
+    pub async fn connect_as(&self, user: &User) -> Result<zbus::Connection> {
+        let (socket, who) = (self.socket.clone(), user.clone());
+        let stream = std::thread::spawn(move || connect_socket_as(&socket, &who))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the thread connecting as {} panicked", user.name))??;
+        stream.set_nonblocking(true)?;
+        let stream = tokio::net::UnixStream::from_std(stream)?;
+        Ok(zbus::connection::Builder::unix_stream(stream)
+            .user_id(user.uid)
             .build()
             .await?)
     }
@@ -202,6 +312,9 @@ pub struct DaemonConfig {
     pub extra: String,
     /// `[engine] precision`: `exact` (the default) or `fast`.
     pub precision: &'static str,
+    /// The daemon's stderr (its log) goes to a file, read with [`Daemon::log`], instead of the
+    /// test's stderr. Default false.
+    pub capture_log: bool,
 }
 
 impl Default for DaemonConfig {
@@ -215,9 +328,13 @@ impl Default for DaemonConfig {
             lsm: None,
             extra: String::new(),
             precision: "exact",
+            capture_log: false,
         }
     }
 }
+
+/// The file in the daemon's directory its stderr goes to with [`DaemonConfig::capture_log`].
+const LOG_FILE: &str = "leanstreamd.log";
 
 /// A running `leanstreamd` on a [`Bus`], with a model directory holding the real model as
 /// `smollm2.gguf` (a hard link, or a copy across file systems) and, outside it, a file an escape symlink points at.
@@ -270,6 +387,11 @@ impl Daemon {
                 cfg.extra
             ),
         )?;
+        let stderr = if cfg.capture_log {
+            Stdio::from(std::fs::File::create(dir.path().join(LOG_FILE))?)
+        } else {
+            Stdio::inherit()
+        };
         let child = Command::new(binary)
             .arg("--bus")
             .arg(&bus.address)
@@ -278,6 +400,7 @@ impl Daemon {
             .env("RUST_LOG", "info")
             .env_remove("JOURNAL_STREAM")
             .stdin(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .context("starting leanstreamd")?;
         let daemon = Daemon { child, dir };
@@ -306,6 +429,24 @@ impl Daemon {
             bail!("kill -TERM failed");
         }
         Ok(())
+    }
+
+    /// Links the real model into the model directory as `NAME.gguf` (a hard link, or a copy
+    /// across file systems): another model as far as the daemon knows.
+    pub fn add_model(&self, name: &str) -> Result<()> {
+        let target = self.dir.path().join("models").join(format!("{name}.gguf"));
+        let source = real_model().canonicalize()?;
+        if std::fs::hard_link(&source, &target).is_err() {
+            std::fs::copy(&source, &target)?;
+        }
+        Ok(())
+    }
+
+    /// What the daemon has logged so far, when started with [`DaemonConfig::capture_log`].
+    pub fn log(&self) -> Result<String> {
+        let path = self.dir.path().join(LOG_FILE);
+        std::fs::read_to_string(&path)
+            .with_context(|| format!("{} (is `capture_log` set?)", path.display()))
     }
 
     /// The daemon's process id.
@@ -389,6 +530,13 @@ impl std::fmt::Debug for Client {
 impl Client {
     pub async fn new(bus: &Bus) -> Result<Client> {
         let conn = bus.connect().await?;
+        let manager = ManagerProxy::new(&conn).await?;
+        Ok(Client { conn, manager })
+    }
+
+    /// A client of `user` ([`Bus::connect_as`]).
+    pub async fn new_as(bus: &Bus, user: &User) -> Result<Client> {
+        let conn = bus.connect_as(user).await?;
         let manager = ManagerProxy::new(&conn).await?;
         Ok(Client { conn, manager })
     }

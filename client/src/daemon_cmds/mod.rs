@@ -15,6 +15,9 @@ mod status;
 pub const EXIT_UNREACHABLE: u8 = 3;
 /// Exit status for every other failure (the daemon refused, a stream broke).
 pub const EXIT_FAILURE: u8 = 1;
+/// Exit status when a constrained generation (`--json-schema`, `--grammar`) stopped before its
+/// grammar was complete: the text was printed, but it may not parse.
+pub const EXIT_INCOMPLETE: u8 = 4;
 
 #[derive(Subcommand, Debug)]
 pub enum DaemonCommand {
@@ -34,7 +37,8 @@ pub enum DaemonCommand {
     },
     /// Unload a model (fails while it has sessions).
     Unload { name: String },
-    /// Generate text through the daemon, streaming it to stdout.
+    /// Generate text through the daemon, streaming it to stdout. The prompt goes in as one user
+    /// message in the model's chat template; `--raw` sends it as is.
     Generate(generate::GenerateArgs),
     /// Chat interactively: reads lines from stdin; `/exit` or EOF ends.
     Chat(generate::ChatArgs),
@@ -92,16 +96,19 @@ fn client_error(e: &anyhow::Error) -> Option<&Error> {
 
 /// The exit status for an error.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
+    if e.is::<generate::CutShort>() {
+        return EXIT_INCOMPLETE;
+    }
     match client_error(e) {
         Some(c) if c.is_unreachable() => EXIT_UNREACHABLE,
         _ => EXIT_FAILURE,
     }
 }
 
-/// The error as the user reads it: plain meaning, the daemon's message, the error name, and a
-/// hint when the daemon is unreachable. Ends with a newline.
+/// The error as the user reads it: plain meaning, the daemon's message (each cause once), the
+/// error name, and what to do when the daemon is unreachable. Ends with a newline.
 pub fn describe(e: &anyhow::Error, bus: &Bus) -> String {
-    let mut out = format!("leanstream: error: {e:#}\n");
+    let mut out = format!("leanstream: error: {}\n", crate::error_text(e));
     match client_error(e) {
         Some(Error::Daemon(named)) => {
             let name = named.name();
@@ -112,20 +119,41 @@ pub fn describe(e: &anyhow::Error, bus: &Bus) -> String {
                 .unwrap_or(name.as_str());
             out.push_str(&format!("  (D-Bus error {short})\n"));
         }
-        Some(c) if c.is_unreachable() => {
-            let other = match bus {
-                Bus::System => "--bus session or --bus ADDRESS",
-                Bus::Session => "--bus system or --bus ADDRESS",
-                Bus::Address(_) => "--bus system or --bus session",
+        Some(Error::Connect { .. }) => {
+            // zbus's message names the address it tried; name it here when it does not.
+            let at = match bus.resolved_address() {
+                Some(address) if !out.contains(&address) => format!(" at {address}"),
+                _ => String::new(),
             };
             out.push_str(&format!(
-                "hint: is leanstreamd running on the {bus} bus? Start it (systemctl start \
-                 leanstreamd) or reach another bus with {other}.\n"
+                "hint: is the {bus} bus running{at}, with leanstreamd on it? Start them, or \
+                 reach another bus with {}.\n",
+                other_buses(bus)
+            ));
+        }
+        Some(c) if c.is_unreachable() => {
+            let start = match bus {
+                Bus::System => "systemctl start leanstreamd".to_owned(),
+                other => format!("leanstreamd --bus {other}"),
+            };
+            out.push_str(&format!(
+                "hint: is leanstreamd running on the {bus} bus? Start it ({start}) or reach \
+                 another bus with {}.\n",
+                other_buses(bus)
             ));
         }
         _ => {}
     }
     out
+}
+
+/// The `--bus` values other than `bus`, for hints.
+fn other_buses(bus: &Bus) -> &'static str {
+    match bus {
+        Bus::System => "--bus session or --bus ADDRESS",
+        Bus::Session => "--bus system or --bus ADDRESS",
+        Bus::Address(_) => "--bus system or --bus session",
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +185,27 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("--bus system"), "{text}");
+        assert_eq!(exit_code(&e), EXIT_UNREACHABLE);
+    }
+
+    #[test]
+    fn a_missing_bus_names_the_address_once_and_what_to_do() {
+        let bus = Bus::Address("unix:path=/nonexistent/socket".into());
+        let os = std::io::Error::from_raw_os_error(libc::ENOENT);
+        let once = os.to_string();
+        let e = anyhow::Error::from(Error::Connect {
+            bus: bus.clone(),
+            source: zbus::Error::InputOutput(std::sync::Arc::new(os)),
+        });
+        let text = describe(&e, &bus);
+        assert_eq!(text.matches(&once).count(), 1, "{text}");
+        assert!(
+            text.contains(
+                "hint: is the unix:path=/nonexistent/socket bus running, with leanstreamd on it?"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("--bus system or --bus session"), "{text}");
         assert_eq!(exit_code(&e), EXIT_UNREACHABLE);
     }
 

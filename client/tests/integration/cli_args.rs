@@ -34,6 +34,34 @@ fn bad_arguments_exit_2_with_the_reason() {
 }
 
 #[test]
+fn negative_numbers_reach_the_range_checks_as_values() {
+    // `-1` after a numeric option is its value, not an unknown flag: the range check answers.
+    let cases: [(&[&str], &str); 10] = [
+        (&["generate", "--temperature", "-1", "x"], "outside 0..=100"),
+        (&["generate", "--top-p", "-0.5", "x"], "outside (0, 1]"),
+        (
+            &["generate", "--repetition-penalty", "-1", "x"],
+            "repetition",
+        ),
+        (&["generate", "--max-tokens", "-3", "x"], "-3 is negative"),
+        (&["generate", "--top-k", "-1", "x"], "-1 is negative"),
+        (&["generate", "--seed", "-5", "x"], "-5 is negative"),
+        (&["generate", "--context", "-1", "x"], "-1 is negative"),
+        (
+            &["generate", "--first-token-deadline-ms", "-1", "x"],
+            "-1 is negative",
+        ),
+        (&["generate", "--deadline-ms", "-1", "x"], "-1 is negative"),
+        (&["chat", "--temperature", "-1"], "outside 0..=100"),
+    ];
+    for (args, needle) in cases {
+        usage_error(args, needle);
+        let err = String::from_utf8_lossy(&leanstream(args).stderr).into_owned();
+        assert!(!err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn help_lists_the_daemon_commands_and_the_bus_flag() {
     let out = leanstream(&["--help"]);
     assert!(out.status.success());

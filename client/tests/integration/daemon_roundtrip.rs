@@ -2,10 +2,9 @@
 //! `leanstreamd` on a private `dbus-daemon` (see `support`): real bus, real fd passing, canned
 //! generations. Skips (saying so) where `dbus-daemon` is not installed.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 
-use crate::support::{MockDaemon, TestBus};
+use crate::support::{MockDaemon, TestBus, cli, text};
 use leanstream::contract::{ChatTurn, GenerateParams, LeanStreamError, StreamEvent};
 use leanstream::{Bus, Client, Error};
 use serde_json::Value;
@@ -199,29 +198,6 @@ async fn no_bus_is_unreachable() {
     assert!(e.is_unreachable());
 }
 
-fn cli(address: &str, args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
-        .arg("--bus")
-        .arg(address)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run leanstream");
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(stdin.as_bytes())
-        .expect("write stdin");
-    child.wait_with_output().expect("leanstream finishes")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
 #[test]
 fn cli_against_the_mock_daemon() {
     let Some(test_bus) = TestBus::start() else {
@@ -253,10 +229,10 @@ fn cli_against_the_mock_daemon() {
         "{table}"
     );
 
-    // Streams text; the only loaded model is picked.
+    // Streams text; the only loaded model is picked; the prompt goes in as a user message.
     let out = cli(a, &["generate", "hello robot"], "");
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout), "echo: hello robot\n");
+    assert_eq!(text(&out.stdout), "turn 1: hello robot\n");
     assert!(
         text(&out.stderr).contains("stop: eos"),
         "{}",
@@ -272,6 +248,7 @@ fn cli_against_the_mock_daemon() {
             "--max-tokens",
             "4",
             "--json",
+            "--raw",
             "hey",
         ],
         "",
@@ -283,7 +260,7 @@ fn cli_against_the_mock_daemon() {
     assert_eq!(v["reason"], "max_tokens");
     assert_eq!(v["stats"]["generated_tokens"], 4);
 
-    let out = cli(a, &["generate", "-"], "from stdin");
+    let out = cli(a, &["generate", "--raw", "-"], "from stdin");
     assert_eq!(text(&out.stdout), "echo: from stdin\n");
 
     let dir = tempfile::tempdir().expect("tempdir");
@@ -294,7 +271,7 @@ fn cli_against_the_mock_daemon() {
         &["generate", "--grammar", grammar.to_str().unwrap(), "x"],
         "",
     );
-    assert_eq!(text(&out.stdout), "echo[lark]: x\n");
+    assert_eq!(text(&out.stdout), "turn[lark] 1: x\n");
     let out = cli(
         a,
         &["generate", "--json-schema", "/nonexistent/schema.json", "x"],
@@ -317,7 +294,7 @@ fn cli_against_the_mock_daemon() {
     assert!(err.contains("\"nosuch\""), "{err}");
     assert!(err.contains("ModelNotFound"), "{err}");
 
-    let out = cli(a, &["generate", "fail"], "");
+    let out = cli(a, &["generate", "--raw", "fail"], "");
     assert_eq!(out.status.code(), Some(1));
     assert!(
         text(&out.stderr).contains("internal daemon error: the mock failed"),

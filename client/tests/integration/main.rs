@@ -7,6 +7,7 @@
 mod support;
 
 mod cli_args;
+mod cli_generate;
 mod cli_offline;
 mod daemon_roundtrip;
 mod wire_signatures;

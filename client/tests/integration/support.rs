@@ -6,13 +6,14 @@
 //! `echo: {prompt}` one character per token (id = the char's code point), cut at `max_tokens`
 //! (`echo[KIND]: {prompt}` when the params carry a `grammar_kind`);
 //! the prompt `fail` ends the stream with an `Internal` error event, `truncate` closes it without
-//! `done`, an empty prompt is `InvalidArgument`. `GenerateChat` answers `turn N: {last user
-//! message}` where N counts the user turns it was given.
+//! `done`, an empty prompt is `InvalidArgument`, and `silent` ends at once (`eos`, no tokens).
+//! `GenerateChat` answers `turn N: {last user message}` where N counts the user turns it was
+//! given (`turn[KIND] N: …` with a `grammar_kind`; nothing when the last message is `silent`).
 
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -95,6 +96,31 @@ impl Drop for TestBus {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs the `leanstream` CLI on the bus at `address` with `stdin` as its input.
+pub fn cli(address: &str, args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_leanstream"))
+        .arg("--bus")
+        .arg(address)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run leanstream");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write stdin");
+    child.wait_with_output().expect("leanstream finishes")
+}
+
+/// Lossy UTF-8 of a process's output.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// The mock daemon, served on its own thread and runtime until dropped.
@@ -350,6 +376,7 @@ impl MockSession {
         };
         let mut events = token_events(&echo, &params);
         match prompt {
+            "silent" => events = token_events("", &params),
             "" => {
                 return Err(LeanStreamError::InvalidArgument(
                     "the prompt is empty".into(),
@@ -378,10 +405,12 @@ impl MockSession {
         let Some(last) = users.last() else {
             return Err(LeanStreamError::InvalidArgument("no user message".into()));
         };
-        stream(token_events(
-            &format!("turn {}: {}", users.len(), last.content),
-            &params,
-        ))
+        let reply = match (last.content.as_str(), params.grammar_kind.as_str()) {
+            ("silent", _) => String::new(),
+            (content, "") => format!("turn {}: {content}", users.len()),
+            (content, kind) => format!("turn[{kind}] {}: {content}", users.len()),
+        };
+        stream(token_events(&reply, &params))
     }
 
     async fn cancel(&self) {}

@@ -94,10 +94,11 @@ impl Worker {
     }
 
     /// Runs the steps of `pass` (see [`Worker::batches`]), of generations of `class`, samples
-    /// each session's next token and writes it out: one forward pass for all, after reserving
-    /// each one's KV room (a session the budget refuses ends alone). A CPU pass is given up
-    /// before a layer when a request of a more urgent class has been sent (the scheduler's
-    /// module docs, step 1); its steps are then still to run.
+    /// each session's next token and writes it out: one forward pass for all, after making each
+    /// one's KV room (within what its prompt reserved, or reserved now: a session the budget
+    /// refuses ends alone). A CPU pass is given up before a layer when a request of a more
+    /// urgent class has been admitted (the scheduler's module docs, step 1); its steps are then
+    /// still to run.
     pub(super) fn run_pass(&mut self, pass: &[Step], class: Priority) {
         let waiting = Arc::clone(&self.waiting);
         let stop = move || waiting.load(Ordering::Acquire) > urgency(class);
@@ -109,6 +110,7 @@ impl Worker {
                 session,
                 seen,
                 run: Some(r),
+                ..
             } = s
             else {
                 continue;
@@ -123,7 +125,7 @@ impl Worker {
                 Next::Emit(_) | Next::Done(_) => continue,
             };
             let room = Room { id, budget };
-            match room.grow(session.as_mut(), piece.len()) {
+            match room.grow(session.as_mut(), piece.len(), &mut r.reserved) {
                 Ok(()) => ready.push(Due {
                     session,
                     step: Stepped {

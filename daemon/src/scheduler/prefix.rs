@@ -1,14 +1,21 @@
 //! Shared prompt prefixes: a session whose prompt starts with tokens another session of the
-//! model has already run (a robot's system prompt) starts from their keys and values instead of
-//! computing them.
+//! same user and model has already run (a robot's system prompt) starts from their keys and
+//! values instead of computing them.
 //!
 //! Policy:
-//! - A new prompt first looks in its model's stored prefixes ([`LoadedModel::prefixes`]) for
-//!   the longest one it starts with.
-//! - Failing that, it looks at the other open sessions of the model: when one has run at least
-//!   [`MIN_SHARED_TOKENS`] of the same first tokens, those positions are snapshotted (no copy:
-//!   the blocks become shared) and stored, so later sessions find them even after that session
-//!   is gone.
+//! - Sharing stays within one user (the uid that owns the session): a session looks only at
+//!   its own user's stored prefixes and open sessions, and a prefix is stored under the user
+//!   whose session computed it. **Invariant:** a `done` event's `cached_prompt_tokens` counts
+//!   only tokens that a session of the same user computed, so how much of a prompt was cached
+//!   tells a client nothing about another user's prompts (a second user who knew an app's
+//!   system prompt could otherwise probe it with guesses of what follows and read which one
+//!   matched longer).
+//! - A new prompt first looks in its model's stored prefixes ([`LoadedModel::prefixes`]) of
+//!   its user for the longest one it starts with.
+//! - Failing that, it looks at the user's other open sessions of the model: when one has run
+//!   at least [`MIN_SHARED_TOKENS`] of the same first tokens, those positions are snapshotted
+//!   (no copy: the blocks become shared) and stored, so later sessions of the user find them
+//!   even after that session is gone.
 //! - A stored prefix is paid once, in the model's reservation (the sessions sharing its blocks
 //!   do not pay for them). A model keeps at most [`MAX_PREFIXES`], so one-off prompts cannot
 //!   pile up: a new one takes the place of the least recently used prefix that no session
@@ -25,6 +32,7 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
 use leanstream_engine::kv::KvType;
 
+use super::run::need;
 use super::{Entry, SessionBudget};
 use crate::loader::{LoadedModel, SharedPrefix};
 use crate::memory::SessionId;
@@ -56,11 +64,12 @@ pub fn adopt(
     let Some(mut me) = sessions.remove(&id) else {
         return 0;
     };
+    let user = me.user;
     let adopted = match me.session.as_cpu() {
         Some(cpu) => {
-            let stored = best_stored(&store, cpu, ids);
+            let stored = best_stored(&store, user, cpu, ids);
             let stored_len = stored.map_or(0, |i| store[i].tokens.len());
-            let found = match live_source(sessions, &model, cpu, ids, stored_len) {
+            let found = match live_source(sessions, &model, user, cpu, ids, stored_len) {
                 Some(source) => store_from(&mut store, sessions, budget, &model, source, ids),
                 None => stored,
             };
@@ -94,28 +103,33 @@ fn compatible(prefix: &SharedPrefix, session: &Session) -> bool {
     (prefix.precision, prefix.kv.kv_type()) == numbers(session)
 }
 
-/// The longest stored prefix that `ids` starts with (and goes beyond).
-fn best_stored(store: &[SharedPrefix], session: &Session, ids: &[u32]) -> Option<usize> {
+/// The longest prefix stored by `user` that `ids` starts with (and goes beyond).
+fn best_stored(store: &[SharedPrefix], user: u32, session: &Session, ids: &[u32]) -> Option<usize> {
     (0..store.len())
         .filter(|&i| {
             let p = &store[i];
-            p.tokens.len() < ids.len() && ids.starts_with(&p.tokens) && compatible(p, session)
+            p.user == user
+                && p.tokens.len() < ids.len()
+                && ids.starts_with(&p.tokens)
+                && compatible(p, session)
         })
         .max_by_key(|&i| store[i].tokens.len())
 }
 
-/// The open session of `model` that has run the longest common prefix with `ids`, when that is
-/// at least [`MIN_SHARED_TOKENS`] and longer than `than`: its id and the prefix's length.
+/// The open session of `user` on `model` that has run the longest common prefix with `ids`,
+/// when that is at least [`MIN_SHARED_TOKENS`] and longer than `than`: its id and the prefix's
+/// length.
 fn live_source(
     sessions: &mut BTreeMap<SessionId, Entry>,
     model: &Arc<LoadedModel>,
+    user: u32,
     me: &Session,
     ids: &[u32],
     than: usize,
 ) -> Option<(SessionId, usize)> {
     sessions
         .iter_mut()
-        .filter(|(_, e)| Arc::ptr_eq(&e.model, model))
+        .filter(|(_, e)| e.user == user && Arc::ptr_eq(&e.model, model))
         .filter_map(|(&other, e)| {
             let cpu = e.session.as_cpu()?;
             let same = numbers(cpu) == numbers(me);
@@ -133,9 +147,9 @@ fn live_source(
         .max_by_key(|&(_, n)| n)
 }
 
-/// Snapshots the first `n` positions of session `source` into the store, paid by the model;
-/// returns its index. `None` when the store is full of prefixes sessions read, the budget
-/// refuses, or the snapshot fails.
+/// Snapshots the first `n` positions of session `source` into the store, paid by the model
+/// and kept for the source's user; returns its index. `None` when the store is full of prefixes
+/// sessions read, the budget refuses, or the snapshot fails.
 fn store_from(
     store: &mut Vec<SharedPrefix>,
     sessions: &mut BTreeMap<SessionId, Entry>,
@@ -148,14 +162,24 @@ fn store_from(
         return None;
     }
     let e = sessions.get_mut(&source)?;
+    let user = e.user;
     let cpu = e.session.as_cpu()?;
     let kv = cpu.share_prefix(n).ok()?;
     if let Err(err) = budget.grow_model(&model.name, kv.bytes()) {
         tracing::debug!("model {}: a shared prefix does not fit: {err}", model.name);
         return None; // dropping `kv` gives the blocks back to the source alone
     }
-    // The source no longer pays for the shared blocks: a decrease.
-    let _ = budget.resize(source, cpu.bytes());
+    // The source no longer pays for the shared blocks: a decrease. A prompt it is still
+    // running keeps reserved what its rest will fill (the copy of a shared block it writes
+    // into included, which costs less than the blocks it no longer pays for).
+    let keep = match &mut e.run {
+        Some(r) => {
+            r.reserved = need(&*cpu, &r.stepper).min(r.reserved);
+            r.reserved
+        }
+        None => cpu.bytes(),
+    };
+    let _ = budget.resize(source, keep);
     tracing::info!(
         "model {}: prefix of {n} tokens shared ({} KiB, {} stored)",
         model.name,
@@ -163,6 +187,7 @@ fn store_from(
         store.len() + 1
     );
     store.push(SharedPrefix {
+        user,
         tokens: ids[..n].to_vec(),
         precision: cpu.precision(),
         kv,

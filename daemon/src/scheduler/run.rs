@@ -34,6 +34,12 @@ pub struct Run {
     pub shared_decode_passes: usize,
     /// Prompt pieces run together with other sessions' steps.
     pub shared_prompt_passes: usize,
+    /// The session's reservation while this generation runs, in bytes: at its start, what the
+    /// session holds plus the KV the rest of its prompt and first generated token will fill
+    /// ([`Room::reserve_prompt`]). The prompt's pieces are allocated within it; it grows only
+    /// when a step needs more ([`Room::grow`]), and shrinks only when blocks it paid for become
+    /// a shared prefix (see the prefix module).
+    pub reserved: u64,
 }
 
 /// Why a step failed: the budget refused the KV cache's growth, or the engine failed.
@@ -49,7 +55,8 @@ impl From<leanstream_engine::Error> for Failure {
 }
 
 impl Run {
-    /// A generation of a `prompt_tokens`-token prompt, requested at `received`.
+    /// A generation of a `prompt_tokens`-token prompt, requested at `received`, for which
+    /// `reserved` bytes are reserved.
     pub fn new(
         stepper: Stepper,
         constraint: Option<Constraint>,
@@ -57,6 +64,7 @@ impl Run {
         spec: &GenSpec,
         received: Instant,
         prompt_tokens: usize,
+        reserved: u64,
     ) -> Run {
         Run {
             stepper,
@@ -71,6 +79,7 @@ impl Run {
             prompt_tokens,
             shared_decode_passes: 0,
             shared_prompt_passes: 0,
+            reserved,
         }
     }
 
@@ -230,16 +239,55 @@ pub struct Room<'a> {
 }
 
 impl Room<'_> {
+    /// Reserves at once what `session` will hold once the rest of `stepper`'s prompt and the
+    /// first generated token are in its KV cache ([`need`]), and returns it (the run's
+    /// [`Run::reserved`]). `OverBudget` when that does not fit: the generation is then refused
+    /// before it runs. Prompts that arrive together thus each get all the KV they will fill, or
+    /// are refused one by one, instead of each growing block by block until all run out half-way.
+    pub fn reserve_prompt(
+        &self,
+        session: &dyn Decode,
+        stepper: &Stepper,
+    ) -> Result<u64, LeanStreamError> {
+        let bytes = need(session, stepper);
+        if bytes > session.bytes() {
+            self.budget.resize(self.id, bytes)?;
+        }
+        Ok(bytes)
+    }
+
     /// Makes room in the KV cache for `tokens` more tokens: reserves the blocks they need
-    /// first, then allocates them. Nothing is allocated when the reservation is refused.
-    pub fn grow(&self, session: &mut dyn Decode, tokens: usize) -> Result<(), Failure> {
+    /// first (unless `reserved`, the run's reservation, holds them already: a prompt's pieces),
+    /// then allocates them. Nothing is allocated when the reservation is refused. The
+    /// reservation is absolute, so it is only ever raised here, never set below `reserved`.
+    pub fn grow(
+        &self,
+        session: &mut dyn Decode,
+        tokens: usize,
+        reserved: &mut u64,
+    ) -> Result<(), Failure> {
         let extra = session.kv_growth_bytes(tokens);
         if extra == 0 {
             return Ok(());
         }
-        self.budget
-            .resize(self.id, session.bytes() + extra)
-            .map_err(Failure::Budget)?;
+        let bytes = session.bytes() + extra;
+        if bytes > *reserved {
+            self.budget
+                .resize(self.id, bytes)
+                .map_err(Failure::Budget)?;
+            *reserved = bytes;
+        }
         Ok(session.grow_kv(tokens)?)
     }
+}
+
+/// The bytes `session` holds once what `stepper` still has to write up to its first generated
+/// token is in its KV cache: the rest of the prompt and that token while it prefills, nothing
+/// more after that (decode steps reserve block by block: [`Room::grow`]).
+pub fn need(session: &dyn Decode, stepper: &Stepper) -> u64 {
+    let ahead = match stepper.next() {
+        Next::Prefill(rest) => rest.len() + 1,
+        Next::Forward(_) | Next::Emit(_) | Next::Done(_) => 0,
+    };
+    session.bytes() + session.kv_growth_bytes(ahead)
 }

@@ -1,8 +1,12 @@
-//! The scheduler's tests: generations on small generated models, alone and side by side.
+//! The scheduler's tests: generations on small generated models, alone and side by side;
+//! requests of a hostile client in [`hostile`].
 #![allow(clippy::unwrap_used)]
+
+mod hostile;
+
 use std::io::Read;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 
 use leanstream::contract::{StreamEvent, StreamStats};
 use leanstream_engine::backend::cpu::Precision;
@@ -18,6 +22,13 @@ use crate::testing::Fixture;
 
 const PROMPT: &str = "the cat sat on the";
 const TOKENS: usize = 12;
+/// The uid that owns the sessions of a test, unless it says otherwise.
+const USER: u32 = 1000;
+
+/// A budget factory for [`Scheduler::start`]: each thread gets a clone of `b`.
+fn budget<B: SessionBudget + Clone + 'static>(b: B) -> impl Fn() -> Box<dyn SessionBudget> {
+    move || Box::new(b.clone())
+}
 
 /// A budget that grants every reservation up to a per-session limit the test can change
 /// while the scheduler runs, and sums what models hand back.
@@ -65,7 +76,7 @@ fn load(fx: &Fixture, file: &ModelFile, toml: &str) -> LoadedModel {
 /// each stream's events.
 fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
     let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
     let mut readers = Vec::new();
     for (i, (model, prompt)) in runs.iter().enumerate() {
         let id = i as SessionId + 1;
@@ -79,11 +90,11 @@ fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
 }
 
 /// [`generate`], with every request queued before the scheduler takes any of them: a session
-/// of another kind (a wrapper, which runs alone) holds the scheduler inside its first pass
-/// until all are sent, so that they all start in the same round whatever the machine's timing.
+/// of another kind (a wrapper, which runs alone) holds the worker inside its first pass until
+/// all are admitted, so that they all start in the same round whatever the machine's timing.
 fn generate_queued(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
     let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Mutex::new(Some(gate));
     let model = runs[0].0;
@@ -114,6 +125,7 @@ fn generate_queued(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> 
         ));
         readers.push(read);
     }
+    handed_on(&engine, model);
     release.send(()).unwrap();
     for a in std::iter::once(gate_answer).chain(answers) {
         a.blocking_recv().unwrap().unwrap();
@@ -191,9 +203,61 @@ fn read_events(mut read: std::io::PipeReader) -> Vec<StreamEvent> {
         .collect()
 }
 
-/// Runs a generation of `prompt` on session `id` and returns its stream's events.
-fn run_one(engine: &Scheduler, id: SessionId, prompt: &str) -> Vec<StreamEvent> {
-    read_events(start(engine, id, prompt))
+/// A session id no test opens otherwise: [`handed_on`]'s marker.
+const MARKER: SessionId = 999;
+
+/// A session that is never run: it tells the test when the admission stage opens it, by which
+/// time every command sent before has been handed on to the worker.
+#[derive(Debug)]
+struct Marker(Mutex<Option<std::sync::mpsc::Sender<()>>>);
+
+impl Decode for Marker {
+    fn forward(&mut self, _: u32) -> leanstream_engine::Result<&mut [f32]> {
+        unreachable!("a marker session is never run")
+    }
+    fn forward_batch(&mut self, _: &[u32]) -> leanstream_engine::Result<&mut [f32]> {
+        unreachable!("a marker session is never run")
+    }
+    fn position(&self) -> usize {
+        0
+    }
+    fn max_context(&self) -> usize {
+        if let Some(seen) = self.0.lock().unwrap().take() {
+            let _ = seen.send(());
+        }
+        1
+    }
+    fn vocab_size(&self) -> usize {
+        0
+    }
+    fn forward_with(
+        &mut self,
+        _: u32,
+        _: &mut dyn leanstream_engine::forward::FfnExecutor,
+    ) -> leanstream_engine::Result<&mut [f32]> {
+        unreachable!("a marker session is never run")
+    }
+    fn reset(&mut self) {}
+    fn bytes(&self) -> u64 {
+        0
+    }
+    fn kv_growth_bytes(&self, _: usize) -> u64 {
+        0
+    }
+    fn grow_kv(&mut self, _: usize) -> leanstream_engine::Result<()> {
+        Ok(())
+    }
+    fn release_kv(&mut self) {}
+}
+
+/// Returns once the admission stage has handed on to the worker every command sent to `engine`
+/// before (while the worker may be held, by a gate session).
+fn handed_on(engine: &Scheduler, model: &Arc<LoadedModel>) {
+    let (seen, opened) = std::sync::mpsc::channel();
+    let marker = Marker(Mutex::new(Some(seen)));
+    open(engine, MARKER, model, Box::new(marker));
+    opened.recv().unwrap();
+    engine.tx.send(Command::Close { id: MARKER }).unwrap();
 }
 
 /// A session that calls `before_pass` at the start of every forward pass.
@@ -265,7 +329,7 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
     let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(events, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
     let (read, out) = std::io::pipe().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     // At every pass: how many bytes of the token stream are waiting in the pipe (FIONREAD on
@@ -323,37 +387,60 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
 }
 
 #[test]
-fn a_kv_block_over_budget_ends_the_generation_and_the_session_stays_usable() {
+fn kv_over_budget_refuses_a_prompt_up_front_or_ends_a_generation_and_the_session_stays_usable() {
     let fx = Fixture::new();
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
     let session = model
-        .open_session(64, Precision::Exact, KvType::F16)
+        .open_session(256, Precision::Exact, KvType::F16)
         .unwrap();
     let open_bytes = session.bytes();
     let block = session.kv_growth_bytes(1);
     assert!(block > 0, "a new session holds no KV block");
     let limit = SharedLimit::new(open_bytes);
     let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(events, Box::new(limit.clone())).unwrap();
+    let engine = Scheduler::start(events, budget(limit.clone())).unwrap();
     let id = 1;
-    let cmd = Command::Open {
-        id,
-        model: Arc::clone(&model),
-        session,
+    open(&engine, id, &model, session);
+    let request = |max_tokens: usize| {
+        let (read, out) = std::io::pipe().unwrap();
+        let answer = send_generate(
+            &engine,
+            id,
+            PROMPT,
+            spec(max_tokens, Priority::Interactive),
+            out,
+        );
+        (answer.blocking_recv().unwrap(), read_events(read))
     };
-    engine.tx.send(cmd).unwrap();
-    // No room for the first block: the generation ends at once, naming the budget.
-    let refused = run_one(&engine, id, PROMPT);
+    // No room for the prompt's block: refused before it runs, naming the budget; no stream.
+    let (answer, refused) = request(TOKENS);
     assert!(
-        matches!(refused.as_slice(), [StreamEvent::Error { name, .. }] if name == "OverBudget"),
-        "{refused:?}"
+        matches!(answer, Err(LeanStreamError::OverBudget(_))),
+        "{answer:?}"
     );
-    // With room for one block the same session generates as usual.
+    assert!(refused.is_empty(), "{refused:?}");
+    // Room for the prompt's block only: the generation runs until its tokens need the next
+    // block, then ends naming the budget.
     limit
         .0
         .store(open_bytes + block, std::sync::atomic::Ordering::SeqCst);
-    let served = run_one(&engine, id, PROMPT);
+    let (answer, ended) = request(200);
+    answer.unwrap();
+    assert!(
+        matches!(ended.last(), Some(StreamEvent::Error { name, .. }) if name == "OverBudget"),
+        "{ended:?}"
+    );
+    let prompt_tokens = model.model.tokenizer.encode(PROMPT).unwrap().len();
+    let block_tokens = leanstream_engine::kv::KV_BLOCK_TOKENS;
+    assert_eq!(
+        ids(&ended).len(),
+        block_tokens + 1 - prompt_tokens,
+        "up to the block's end"
+    );
+    // The same session generates as usual in the block it kept.
+    let (answer, served) = request(TOKENS);
+    answer.unwrap();
     assert!(
         matches!(served.last(), Some(StreamEvent::Done { .. })),
         "{served:?}"
@@ -362,10 +449,18 @@ fn a_kv_block_over_budget_ends_the_generation_and_the_session_stays_usable() {
     engine.tx.send(Command::Close { id }).unwrap();
     engine.tx.send(Command::Shutdown).unwrap();
     engine.thread.join().unwrap();
-    let mut dropped = false;
+    let (mut refusals, mut dropped) = (0, false);
     while let Ok(ev) = events_rx.try_recv() {
+        refusals += matches!(
+            ev,
+            Report::Finished {
+                accepted: false,
+                ..
+            }
+        ) as usize;
         dropped |= matches!(ev, Report::Dropped { id: 1 });
     }
+    assert_eq!(refusals, 1, "the refusal is reported to the state owner");
     assert!(dropped, "closing reports that the session's memory is free");
 }
 
@@ -514,18 +609,32 @@ fn exact(model: &LoadedModel, context: usize, kv: KvType) -> Box<dyn Decode + Se
     model.open_session(context, Precision::Exact, kv).unwrap()
 }
 
-/// Opens `session` on `model` as session `id` of the scheduler.
+/// Opens `session` on `model` as session `id` of the scheduler, owned by [`USER`].
 fn open(
     engine: &Scheduler,
     id: SessionId,
     model: &Arc<LoadedModel>,
     session: Box<dyn Decode + Send>,
 ) {
+    open_as(&engine.tx, id, model, session, USER);
+}
+
+/// Opens `session` on `model` as session `id`, owned by `user`, through `inbox`.
+fn open_as(
+    inbox: &Commands,
+    id: SessionId,
+    model: &Arc<LoadedModel>,
+    session: Box<dyn Decode + Send>,
+    user: u32,
+) {
     let model = Arc::clone(model);
-    engine
-        .tx
-        .send(Command::Open { id, model, session })
-        .unwrap();
+    let cmd = Command::Open {
+        id,
+        model,
+        session,
+        user,
+    };
+    inbox.send(cmd).unwrap();
 }
 
 #[test]
@@ -534,9 +643,9 @@ fn a_more_urgent_class_is_served_first_however_long_its_generation() {
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
     let (reports, mut reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
-    // Session 9 holds the scheduler inside its first forward pass until every other request is
-    // queued, so all of them are there when it next chooses.
+    let engine = Scheduler::start(reports, budget(SharedLimit::new(u64::MAX))).unwrap();
+    // Session 9 holds the worker inside its first forward pass until every other request is
+    // admitted, so all of them are there when it next chooses.
     let (release, gate) = std::sync::mpsc::channel::<()>();
     let gate = Mutex::new(Some(gate));
     let held = Hooked {
@@ -579,6 +688,7 @@ fn a_more_urgent_class_is_served_first_however_long_its_generation() {
         ));
         streams.push(read);
     }
+    handed_on(&engine, &model);
     release.send(()).unwrap();
     for a in answers {
         a.blocking_recv().unwrap().unwrap();
@@ -608,7 +718,7 @@ fn a_missed_deadline_is_reported_in_the_done_event_and_a_met_one_is_not() {
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
     let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let engine = Scheduler::start(reports, budget(SharedLimit::new(u64::MAX))).unwrap();
     open(&engine, 1, &model, exact(&model, 64, KvType::F32));
     let run = |first: Duration, end: Duration| {
         let (read, out) = std::io::pipe().unwrap();
@@ -643,7 +753,7 @@ fn a_prompt_starting_like_another_sessions_reuses_its_keys_and_values_and_keeps_
         format!("{system}four five"),
     ];
     let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let engine = Scheduler::start(reports, Box::new(SharedLimit::new(u64::MAX))).unwrap();
+    let engine = Scheduler::start(reports, budget(SharedLimit::new(u64::MAX))).unwrap();
     let open_256 = |id, model: &Arc<LoadedModel>| {
         open(&engine, id, model, exact(model, 256, KvType::F16));
     };
@@ -693,7 +803,7 @@ fn a_full_prefix_store_evicts_the_least_recently_used_prefix_that_no_session_rea
     let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let limit = SharedLimit::new(u64::MAX);
     let handed_back = Arc::clone(&limit.1);
-    let engine = Scheduler::start(reports, Box::new(limit)).unwrap();
+    let engine = Scheduler::start(reports, budget(limit)).unwrap();
     // Session `id` runs system prompt `k` and a question; returns its cached prompt tokens.
     let run = |id: SessionId, k: usize, question: &str| {
         open(&engine, id, &model, exact(&model, 256, KvType::F16));
@@ -737,71 +847,98 @@ fn a_full_prefix_store_evicts_the_least_recently_used_prefix_that_no_session_rea
     engine.thread.join().unwrap();
 }
 
+/// The scheduler's two stages without their threads, driven by hand: the inbox the state owner
+/// sends to, the admission stage and the worker (each handles only what a test hands it), and
+/// the state owner's end of the reports.
+struct ByHand {
+    inbox: Commands,
+    admission: Admission,
+    worker: Worker,
+    reports: tokio::sync::mpsc::UnboundedReceiver<Report>,
+}
+
+impl ByHand {
+    fn new<B: SessionBudget + Clone + 'static>(budget: B) -> ByHand {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (work, work_rx, waiting) = WorkQueue::new();
+        let (reports, reports_rx) = tokio::sync::mpsc::unbounded_channel();
+        let admission = Admission::new(rx, work, reports.clone(), Box::new(budget.clone()));
+        let worker = Worker {
+            rx: work_rx,
+            waiting,
+            reports,
+            budget: Box::new(budget),
+            sessions: BTreeMap::new(),
+        };
+        ByHand {
+            inbox: Commands { tx },
+            admission,
+            worker,
+            reports: reports_rx,
+        }
+    }
+
+    /// Puts every command sent so far through the admission stage (not the worker).
+    fn admit(&mut self) {
+        while let Ok(cmd) = self.admission.rx.try_recv() {
+            assert!(!self.admission.handle(cmd), "the worker's queue is open");
+        }
+    }
+
+    /// The urgency mark as the worker sees it.
+    fn mark(&self) -> u8 {
+        self.worker.waiting.load(Ordering::Acquire)
+    }
+}
+
+/// Sends a `Generate` of `prompt` in class `priority` to `inbox`; returns the read end of its
+/// stream and where its answer comes.
+fn request(
+    inbox: &Commands,
+    id: SessionId,
+    prompt: &str,
+    spec: GenSpec,
+) -> (
+    std::io::PipeReader,
+    tokio::sync::oneshot::Receiver<Result<(), LeanStreamError>>,
+) {
+    let (read, out) = std::io::pipe().unwrap();
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let input = Input::Text(prompt.into());
+    let cmd = Command::Generate {
+        id,
+        input,
+        spec,
+        out,
+        reply,
+    };
+    inbox.send(cmd).unwrap();
+    (read, answer)
+}
+
 #[test]
 fn a_pass_gives_way_to_a_more_urgent_request_and_its_tokens_stay_the_same() {
     let fx = Fixture::new();
     let file = fx.gguf("tiny");
     let model = Arc::new(load(&fx, &file, ""));
     let expected = ids(&generate(&[(&model, PROMPT)])[0]);
-    // A worker driven by hand, so that the request is sent while a pass is about to run.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiting = Arc::new(AtomicU8::new(0));
-    let inbox = Commands {
-        tx,
-        waiting: Arc::clone(&waiting),
-    };
-    let (reports, _reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut worker = Worker {
-        rx,
-        waiting,
-        reports,
-        budget: Box::new(SharedLimit::new(u64::MAX)),
-        sessions: BTreeMap::new(),
-    };
+    // Driven by hand, so that the request is sent while a pass is about to run.
+    let mut s = ByHand::new(SharedLimit::new(u64::MAX));
     for id in [1, 2] {
-        let session = exact(&model, 64, KvType::F32);
-        inbox
-            .send(Command::Open {
-                id,
-                model: Arc::clone(&model),
-                session,
-            })
-            .unwrap();
+        open_as(&s.inbox, id, &model, exact(&model, 64, KvType::F32), USER);
     }
-    let (read, out) = std::io::pipe().unwrap();
-    let (reply, _accepted) = tokio::sync::oneshot::channel();
     let background = spec(TOKENS, Priority::Background);
-    let input = Input::Text(PROMPT.into());
-    inbox
-        .send(Command::Generate {
-            id: 1,
-            input,
-            spec: background,
-            out,
-            reply,
-        })
-        .unwrap();
-    assert!(!worker.take_commands());
-    assert_eq!(
-        worker.waiting.load(Ordering::Acquire),
-        0,
-        "taken: no mark left"
-    );
-    let step = worker.wanted(1).expect("a prompt piece");
-    // An interactive request arrives: the background pass gives way and session 1 stays put.
-    let (_read_2, out_2) = std::io::pipe().unwrap();
-    let (reply_2, _accepted_2) = tokio::sync::oneshot::channel();
-    let input = Input::Text(PROMPT.into());
+    let (read, _accepted) = request(&s.inbox, 1, PROMPT, background);
+    s.admit();
+    assert!(!s.worker.take_commands());
+    assert_eq!(s.mark(), 0, "taken: no mark left");
+    let step = s.worker.wanted(1).expect("a prompt piece");
+    // An interactive request is admitted: the background pass gives way and session 1 stays
+    // put.
     let interactive = spec(1, Priority::Interactive);
-    inbox
-        .send(Command::Generate {
-            id: 2,
-            input,
-            spec: interactive,
-            out: out_2,
-            reply: reply_2,
-        })
-        .unwrap();
+    let (_read_2, _accepted_2) = request(&s.inbox, 2, PROMPT, interactive);
+    s.admit();
+    let worker = &mut s.worker;
     worker.run_pass(&[step], Priority::Background);
     assert_eq!(
         worker.wanted(1),

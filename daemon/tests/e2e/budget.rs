@@ -222,7 +222,17 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
                 let mut prompt = format!("Robot {i} reports: the arm moved to position {i}.");
                 let (mut tokens, mut over) = (0usize, 0usize);
                 for turn in 0..3 {
-                    let out = read_stream(s.generate(&prompt, &greedy(24)).await?).await?;
+                    // A prompt whose KV does not fit is refused as the reply, before it runs; a
+                    // generation that grows past the budget later ends with an event.
+                    let fd = match s.generate(&prompt, &greedy(24)).await {
+                        Ok(fd) => fd,
+                        Err(e) if error_name::<()>(Err(e.clone())) == "OverBudget" => {
+                            over += 1;
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    let out = read_stream(fd).await?;
                     match &out.end {
                         Some(StreamEvent::Done { .. }) => {}
                         Some(StreamEvent::Error { name, .. }) if name == "OverBudget" => over += 1,

@@ -10,6 +10,9 @@ use leanstream_e2e::{Bus, Daemon, DaemonConfig};
 
 mod budget;
 mod daemon;
+mod hostile;
+mod hostile_load;
+mod hostile_users;
 mod lifetime;
 mod privacy;
 mod soak;

@@ -221,3 +221,87 @@ fn vocab_grammar_and_constraint_can_cross_threads() {
     shared::<Grammar>();
     sent::<Constraint>();
 }
+
+/// Whether `text` is one line of at most 300 characters and the cut mark.
+fn is_one_short_line(text: &str) -> bool {
+    !text.contains(['\n', '\r']) && text.chars().count() <= MAX_REASON_CHARS + 1
+}
+
+#[test]
+fn a_grammar_no_text_can_match_is_refused_in_one_line() {
+    let tok = byte_level_tokenizer();
+    let vocab = ConstraintVocab::new(&tok).expect("vocab");
+    for (kind, text) in [
+        (GrammarKind::JsonSchema, r##"{"$ref": "#"}"##),
+        (GrammarKind::Lark, "start: start"),
+        (GrammarKind::Lark, "start: a\na: a \"x\""),
+        (GrammarKind::Lark, r"start: /[^\s\S]/"),
+    ] {
+        match Grammar::new(&vocab, kind, text) {
+            Err(Error::InvalidGrammar { reason, .. }) => {
+                assert!(
+                    reason.starts_with("no text can match it"),
+                    "{text}: {reason}"
+                );
+                assert!(is_one_short_line(&reason), "{text}: {reason}");
+            }
+            other => panic!("{text}: expected InvalidGrammar, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn compile_errors_are_one_short_line() {
+    let tok = byte_level_tokenizer();
+    let vocab = ConstraintVocab::new(&tok).expect("vocab");
+    let long_regex = format!("({}", "a".repeat(5000));
+    for (kind, text) in [
+        (GrammarKind::Lark, "start: foo(\n"),
+        (GrammarKind::Lark, "start: \"a\" & \"b\"\n"),
+        (GrammarKind::Regex, long_regex.as_str()),
+        (
+            GrammarKind::JsonSchema,
+            r#"{"type": "string", "pattern": "^[^\\s\\S]$"}"#,
+        ),
+    ] {
+        match Grammar::new(&vocab, kind, text) {
+            Err(Error::InvalidGrammar { reason, .. }) => {
+                assert!(is_one_short_line(&reason), "{reason}");
+            }
+            other => panic!("{text}: expected InvalidGrammar, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn errors_during_generation_are_one_short_line() {
+    let tok = byte_level_tokenizer();
+    let vocab = ConstraintVocab::new(&tok).expect("vocab");
+    let grammar = Grammar::json_schema(&vocab, PLANNER).expect("schema compiles");
+    let mut c = grammar.start();
+    let brace = tok.token_to_id("{").expect("a byte token");
+    c.advance(brace).expect("an opening brace");
+    let reason = |e: Error| match e {
+        Error::Constraint(reason) => reason,
+        other => panic!("expected a constraint error, got {other:?}"),
+    };
+    let err = c.advance(brace).expect_err("a second brace is refused");
+    let why = reason(err);
+    assert!(is_one_short_line(&why), "{why}");
+    // The parser stays failed: the next mask says so, in one line too.
+    let mut logits = vec![0.0f32; vocab.vocab_size()];
+    let why = reason(c.mask(&mut logits).expect_err("a failed parser"));
+    assert!(is_one_short_line(&why), "{why}");
+}
+
+#[test]
+fn one_line_keeps_the_first_line_and_marks_what_it_cuts() {
+    assert_eq!(one_line("\n  first\nsecond"), "first…");
+    assert_eq!(one_line("tab\there\u{1b}[31m"), "tab here [31m");
+    assert_eq!(one_line("short"), "short");
+    let long = "x".repeat(400);
+    let cut = one_line(&long);
+    assert_eq!(cut.chars().count(), MAX_REASON_CHARS + 1);
+    assert!(cut.ends_with('…'));
+    assert_eq!(one_line(""), "");
+}

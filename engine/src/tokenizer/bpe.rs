@@ -32,12 +32,14 @@
 //!    as one token.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+use std::ops::Range;
 
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
 
 use super::GgufVocab;
+use super::added::AddedSet;
 use crate::{Error, Result};
 
 const SPACE: char = '\u{2581}';
@@ -139,73 +141,6 @@ impl Strings {
                 id if self.get(id - 1) == text => return Some(id - 1),
                 _ => slot = (slot + 1) & mask,
             }
-        }
-    }
-}
-
-/// Added tokens of one pass (step 1 or 2 of the module doc): their match texts, looked up by
-/// length, longest first.
-struct AddedSet {
-    by_text: HashMap<Box<str>, u32>,
-    /// Distinct lengths of the texts in bytes, longest first.
-    lengths: Vec<usize>,
-}
-
-impl AddedSet {
-    fn new(entries: impl Iterator<Item = (String, u32)>) -> AddedSet {
-        let mut by_text = HashMap::new();
-        for (text, id) in entries {
-            // Two tokens with one match text: the later one wins, as in the crate's automaton.
-            by_text.insert(text.into_boxed_str(), id);
-        }
-        let mut lengths: Vec<usize> = by_text.keys().map(|t| t.len()).collect();
-        lengths.sort_unstable_by(|a, b| b.cmp(a));
-        lengths.dedup();
-        by_text.shrink_to_fit();
-        lengths.shrink_to_fit();
-        AddedSet { by_text, lengths }
-    }
-
-    fn heap_bytes(&self) -> u64 {
-        // Each entry: its boxed text (a malloc block), the key and value, a control byte.
-        let entries: usize = self
-            .by_text
-            .keys()
-            .map(|t| super::Tokenizer::malloc_block(t.len()))
-            .sum();
-        // hashbrown holds a power of two of buckets, 8/7 of its capacity, plus a group of control
-        // bytes.
-        let buckets = (self.by_text.capacity() * 8 / 7).next_power_of_two() + 16;
-        (entries + buckets * 25 + self.lengths.capacity() * 8) as u64
-    }
-
-    /// Splits `text` into pieces: `(None, piece)` for plain text, `(Some(id), _)` for an added
-    /// token, leftmost-longest matches first. Appends to `out`.
-    fn split<'a>(&self, text: &'a str, out: &mut Vec<(Option<u32>, &'a str)>) {
-        if self.by_text.is_empty() {
-            out.push((None, text));
-            return;
-        }
-        let (mut plain, mut at) = (0, 0);
-        while at < text.len() {
-            let hit = self.lengths.iter().find_map(|&n| {
-                let cand = text.get(at..at + n)?;
-                self.by_text.get(cand).map(|&id| (id, n))
-            });
-            match hit {
-                Some((id, n)) => {
-                    if plain < at {
-                        out.push((None, &text[plain..at]));
-                    }
-                    out.push((Some(id), &text[at..at + n]));
-                    at += n;
-                    plain = at;
-                }
-                None => at += text[at..].chars().next().map_or(1, char::len_utf8),
-            }
-        }
-        if plain < text.len() {
-            out.push((None, &text[plain..]));
         }
     }
 }
@@ -456,11 +391,13 @@ impl Bpe {
         }
     }
 
-    /// Encodes `text` (no bos: the caller adds it), steps 1–4 of the module doc.
-    pub(super) fn encode(&self, text: &str) -> Result<Vec<u32>> {
+    /// Encodes `text` (no bos: the caller adds it), steps 1–4 of the module doc, with no
+    /// control token taken from where it would overlap a byte range of `plain` (sorted, not
+    /// overlapping; see [`AddedSet::split`]).
+    pub(super) fn encode(&self, text: &str, plain: &[Range<usize>]) -> Result<Vec<u32>> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 1);
         let mut pieces = Vec::new();
-        self.control.split(text, &mut pieces);
+        self.control.split(text, plain, &mut pieces);
         for (added, piece) in pieces {
             if let Some(id) = added {
                 ids.push(id);
@@ -468,7 +405,7 @@ impl Bpe {
             }
             let normalized = self.normalize(piece);
             let mut inner = Vec::new();
-            self.user.split(&normalized, &mut inner);
+            self.user.split(&normalized, &[], &mut inner);
             for &(added, piece) in &inner {
                 match added {
                     Some(id) => ids.push(id),
@@ -477,6 +414,11 @@ impl Bpe {
             }
         }
         Ok(ids)
+    }
+
+    /// Byte ranges of the control tokens [`Bpe::encode`] cuts out of `text` (step 1).
+    pub(super) fn control_spans(&self, text: &str) -> Vec<Range<usize>> {
+        self.control.spans(text)
     }
 
     /// Step 3 and 4 for one normalised piece of plain text.

@@ -17,12 +17,14 @@
 //! - [`Tokenizer::token_bytes`] gives the raw bytes each id stands for ([`TokenBytes`]), which
 //!   constrained decoding matches against a grammar.
 
+mod added;
 mod bpe;
 mod bytes;
 mod gguf;
 mod spm;
 mod stream;
 
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use serde::{Deserialize, Serialize};
@@ -385,22 +387,62 @@ impl Tokenizer {
 
     /// Encodes text, prepending `bos` when [`SpecialTokens::add_bos`] is set. Special tokens
     /// written in the text (e.g. `<|im_start|>`) are recognised as single ids, so text from an
-    /// untrusted user should be checked or escaped before it is put into a prompt.
+    /// untrusted user should not be put into a prompt that goes through here: a chat goes
+    /// through [`crate::chat::ChatTemplate::render_ids`], which keeps its messages plain.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with_plain(text, &[])
+    }
+
+    /// [`Tokenizer::encode`], except that no control token is taken from where it would overlap
+    /// a byte range of `plain` (sorted, not overlapping, on character boundaries): text there
+    /// is encoded as ordinary text whatever it spells. With a GGUF vocabulary the ids are those
+    /// of the whole text with those control tokens unknown; with a `tokenizer.json` each plain
+    /// range is encoded a character at a time (the crate cannot switch special tokens off for
+    /// a call), which only text that spells a control token ever needs.
+    pub(crate) fn encode_with_plain(&self, text: &str, plain: &[Range<usize>]) -> Result<Vec<u32>> {
         let mut out = Vec::new();
         if self.specials.add_bos {
             out.extend(self.specials.bos);
         }
         match &self.backend {
-            Backend::Gguf(bpe) => out.extend(bpe.encode(text)?),
+            Backend::Gguf(bpe) => out.extend(bpe.encode(text, plain)?),
             Backend::Json(inner) => {
-                let enc = inner
-                    .encode(text, false)
-                    .map_err(|e| Error::Tokenizer(e.to_string()))?;
-                out.extend_from_slice(enc.get_ids());
+                let mut encode = |piece: &str| -> Result<()> {
+                    let enc = inner
+                        .encode(piece, false)
+                        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+                    out.extend_from_slice(enc.get_ids());
+                    Ok(())
+                };
+                let bad_range = || Error::Tokenizer("a plain range lies outside the text".into());
+                let mut from = 0;
+                for range in plain {
+                    encode(text.get(from..range.start).ok_or_else(bad_range)?)?;
+                    let inside = text.get(range.clone()).ok_or_else(bad_range)?;
+                    for (i, c) in inside.char_indices() {
+                        encode(&inside[i..i + c.len_utf8()])?;
+                    }
+                    from = range.end;
+                }
+                if plain.is_empty() || from < text.len() {
+                    encode(text.get(from..).ok_or_else(bad_range)?)?;
+                }
             }
         }
         Ok(out)
+    }
+
+    /// Byte ranges of the control tokens [`Tokenizer::encode`] recognises in `text`, leftmost
+    /// first.
+    pub(crate) fn control_spans(&self, text: &str) -> Vec<Range<usize>> {
+        match &self.backend {
+            Backend::Gguf(bpe) => bpe.control_spans(text),
+            Backend::Json(inner) => {
+                let decoder = inner.get_added_tokens_decoder();
+                let special = decoder.into_iter().filter(|(_, t)| t.special);
+                added::AddedSet::new(special.map(|(id, t)| (t.content, id))).spans(text)
+            }
+        }
     }
 
     /// Decodes ids to text, special tokens included. Unknown ids are an error; bytes that do not

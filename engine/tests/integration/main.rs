@@ -7,12 +7,17 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+/// The grammar fuzz target's input format and seeds (shared with `fuzz/`).
+#[path = "../../../fuzz/src/grammar_input.rs"]
+mod grammar_input;
 
 mod calibrate_real;
 mod calibrate_tiny;
+mod chat_prompt_real;
 mod constrained_real;
 mod elastic_cache;
 mod gemma_real;
+mod grammar_seeds;
 mod import_bad_input;
 mod import_real;
 mod import_tiny;

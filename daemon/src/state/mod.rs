@@ -1,23 +1,35 @@
 //! The one task that owns the daemon's state: models, sessions, owners, memory accounting. The
 //! D-Bus objects send it [`Request`]s over a bounded channel and await a oneshot reply; the
-//! scheduler thread reports finished generations; the bus watcher reports vanished clients.
+//! daemon's own threads (loaders, the scheduler) send it [`Internal`] messages on a channel of
+//! their own, served first; the scheduler thread reports finished generations; the bus watcher
+//! reports vanished clients.
+//!
+//! Clients are counted by user: a client's uid comes from the bus (`GetConnectionUnixUser`) the
+//! first time it asks for something that holds memory, and the per-client limits, the holds on
+//! models ([`holds`]) and shared prompt prefixes are per uid, so that one user's many
+//! connections are one client.
 //!
 //! Model loads run on their own OS threads; requests that need a model being loaded wait in its
 //! slot and are answered when it is ready. A loader thread first works out the model's
 //! [`Footprint`] from the file's header and asks the state owner to reserve it
-//! ([`Request::Reserve`]); it maps weights and allocates the neuron cache only once that is done,
-//! so a load that does not fit is refused before it uses the memory.
+//! ([`Internal::Reserve`]); it maps weights and allocates the neuron cache only once that is
+//! done, so a load that does not fit is refused before it uses the memory.
+//!
+//! An unused model's `keep_alive` is one deadline per model, re-armed whenever it becomes
+//! unused: the owner's loop sleeps until the earliest one (no timer task per request).
 
-use std::collections::{BTreeMap, HashMap};
+mod holds;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::Instant;
 
 use leanstream::contract::{
-    ClientMemory, LeanStreamError, MemoryReport, ModelInfo, ModelMemory, ModelParts,
-    SESSION_PATH_PREFIX, SessionMemory, SessionStats,
+    ClientMemory, LeanStreamError, MemoryReport, ModelMemory, ModelParts, SESSION_PATH_PREFIX,
+    SessionMemory, SessionStats,
 };
 use leanstream_engine::forward::session_open_bytes;
-use leanstream_engine::model::summarize;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 use crate::config::{KeepAlive, Params};
@@ -25,25 +37,25 @@ use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
 use crate::scheduler::{Command, GenSpec, Input, LoadedModel, Report};
+use holds::{Holds, Unload};
 
 type Reply<T> = oneshot::Sender<Result<T, LeanStreamError>>;
 
 /// Requests to the state owner.
 #[derive(Debug)]
 pub enum Request {
-    ListModels {
-        reply: Reply<Vec<ModelInfo>>,
-    },
-    /// Loads a model; `keep_alive: None` pins it (`LoadModel`), `Some` gives it at least that
-    /// lifetime without sessions, counted from now (`LoadModelFor`).
+    /// Loads a model and holds it for the caller's user: `Forever` pins it (`LoadModel`), `Idle`
+    /// gives it at least that lifetime without sessions, counted from now (`LoadModelFor`).
     LoadModel {
         file: ModelFile,
         client: String,
-        keep_alive: Option<KeepAlive>,
+        keep_alive: KeepAlive,
         reply: Reply<()>,
     },
+    /// Gives up the caller's hold on a model, and unloads it when nobody else holds it.
     UnloadModel {
         name: String,
+        client: String,
         reply: Reply<()>,
     },
     OpenSession {
@@ -77,13 +89,25 @@ pub enum Request {
         client: String,
         reply: Reply<SessionStats>,
     },
-    /// Internal: a loader thread asks to reserve its model's memory before it loads.
+    /// Cancel everything, stop the scheduler, then reply.
+    Shutdown {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// Messages from the daemon's own threads (loaders, the scheduler, model drops) to the state
+/// owner. They travel on their own unbounded channel, served before client requests, so that a
+/// flood of D-Bus calls never delays a KV reservation the scheduler waits on. Each sender waits
+/// for its reply or sends once per event, so the channel holds a handful at most.
+#[derive(Debug)]
+pub enum Internal {
+    /// A loader thread asks to reserve its model's memory before it loads.
     Reserve {
         name: String,
         footprint: Footprint,
         reply: oneshot::Sender<Result<(), LoadError>>,
     },
-    /// Internal, from the scheduler thread: session `id` needs its reservation set to `bytes`
+    /// From the scheduler: session `id` needs its reservation set to `bytes`
     /// before it allocates more KV blocks. Neuron caches have shrunk by the time the reply is
     /// `Ok`.
     ResizeSession {
@@ -91,7 +115,7 @@ pub enum Request {
         bytes: u64,
         reply: oneshot::Sender<Result<(), LeanStreamError>>,
     },
-    /// From the scheduler thread: model `name` keeps `bytes` more for its lifetime (the
+    /// From the scheduler: model `name` keeps `bytes` more for its lifetime (the
     /// grammar parser's token trie, built on its first constrained generation).
     GrowModel {
         name: String,
@@ -99,27 +123,14 @@ pub enum Request {
         reply: oneshot::Sender<Result<(), LeanStreamError>>,
     },
     /// From the scheduler: model `name` dropped `bytes` it had kept (an evicted prompt prefix).
-    ShrinkModel {
-        name: String,
-        bytes: u64,
-    },
-    /// Internal: a released model's memory has been handed back: its placeholder reservation
+    ShrinkModel { name: String, bytes: u64 },
+    /// A released model's memory has been handed back: its placeholder reservation
     /// (`held`, see [`State::release`]) ends and caches may grow into it.
-    Released {
-        held: String,
-    },
-    /// Internal: model `name`'s `keep_alive` may have run out since its last session closed.
-    IdleCheck {
-        name: String,
-    },
-    /// Internal: a model load finished.
+    Released { held: String },
+    /// A model load finished.
     Loaded {
         name: String,
         result: Result<Arc<LoadedModel>, LoadError>,
-    },
-    /// Cancel everything, stop the scheduler, then reply.
-    Shutdown {
-        reply: oneshot::Sender<()>,
     },
 }
 
@@ -137,33 +148,36 @@ pub async fn ask<T>(
 }
 
 /// The scheduler's way to the arbiter: a blocking round trip to the state owner.
-#[derive(Debug)]
-pub struct Budget(pub mpsc::Sender<Request>);
+#[derive(Clone, Debug)]
+pub struct Budget(pub mpsc::UnboundedSender<Internal>);
+
+impl Budget {
+    /// Sends the message `make` builds and waits for its reply.
+    fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, LeanStreamError>>) -> Internal,
+    ) -> Result<T, LeanStreamError> {
+        let (reply, rx) = oneshot::channel();
+        let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
+        self.0.send(make(reply)).map_err(|_| gone())?;
+        rx.blocking_recv().map_err(|_| gone())?
+    }
+}
 
 impl crate::scheduler::SessionBudget for Budget {
     fn resize(&self, id: SessionId, bytes: u64) -> Result<(), LeanStreamError> {
-        let (reply, rx) = oneshot::channel();
-        let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
-        self.0
-            .blocking_send(Request::ResizeSession { id, bytes, reply })
-            .map_err(|_| gone())?;
-        rx.blocking_recv().map_err(|_| gone())?
+        self.ask(|reply| Internal::ResizeSession { id, bytes, reply })
     }
 
     fn grow_model(&self, name: &str, bytes: u64) -> Result<(), LeanStreamError> {
-        let (reply, rx) = oneshot::channel();
-        let gone = || LeanStreamError::Internal("the daemon is shutting down".into());
         let name = name.to_string();
-        self.0
-            .blocking_send(Request::GrowModel { name, bytes, reply })
-            .map_err(|_| gone())?;
-        rx.blocking_recv().map_err(|_| gone())?
+        self.ask(|reply| Internal::GrowModel { name, bytes, reply })
     }
 
     fn shrink_model(&self, name: &str, bytes: u64) {
         let name = name.to_string();
         // At shutdown there is no budget left to correct.
-        let _ = self.0.blocking_send(Request::ShrinkModel { name, bytes });
+        let _ = self.0.send(Internal::ShrinkModel { name, bytes });
     }
 }
 
@@ -171,12 +185,14 @@ impl crate::scheduler::SessionBudget for Budget {
 enum Waiter {
     Load {
         client: String,
-        keep_alive: Option<KeepAlive>,
+        user: u32,
+        keep_alive: KeepAlive,
         reply: Reply<()>,
     },
     Open {
         context: u32,
         client: String,
+        user: u32,
         reply: Reply<OwnedObjectPath>,
     },
 }
@@ -190,21 +206,20 @@ enum Slot {
 #[derive(Debug)]
 struct ModelEntry {
     slot: Slot,
-    /// Loaded through `LoadModel` (stays loaded without sessions).
-    pinned: bool,
-    /// Its footprint is reserved in the arbiter (from [`Request::Reserve`] until it unloads).
+    /// The users keeping it loaded beyond its sessions, and for how long.
+    holds: Holds,
+    /// Its footprint is reserved in the arbiter (from [`Internal::Reserve`] until it unloads).
     reserved: bool,
     /// When its last session closed, while it waits out its `keep_alive`.
-    idle_since: Option<std::time::Instant>,
-    /// The longest lifetime a `LoadModelFor` asked for since it loaded (it only ever lengthens
-    /// the configured `keep_alive`; see [`State::keep_alive`]).
-    asked_keep_alive: KeepAlive,
+    idle_since: Option<Instant>,
 }
 
 #[derive(Debug)]
 struct SessionEntry {
     model: String,
     client: String,
+    /// The client's uid.
+    user: u32,
     context: u32,
     busy: bool,
     position: u32,
@@ -212,13 +227,15 @@ struct SessionEntry {
     generated_tokens: u64,
 }
 
-/// A client (unique bus name) the state owner has seen on the bus, from its first session or
-/// pin until it leaves. Its sessions are in the session table; this records the rest.
-#[derive(Debug, Default)]
+/// A client (unique bus name) the state owner has seen on the bus, from its first request that
+/// holds memory until it leaves. Its sessions are in the session table, its holds on models in
+/// theirs.
+#[derive(Clone, Copy, Debug)]
 struct ClientEntry {
-    /// Models this client pinned with `LoadModel` (a pin outlives the client; only the count
-    /// against [`Params::max_pins_per_client`] ends with it).
-    pins: std::collections::BTreeSet<String>,
+    /// Its uid, from the bus.
+    user: u32,
+    /// Root, the daemon's user or the admin group ([`crate::access`]).
+    admin: bool,
 }
 
 /// The state owner.
@@ -226,13 +243,17 @@ pub struct State<M> {
     params: Arc<Params>,
     memory: M,
     conn: zbus::Connection,
-    requests: mpsc::Sender<Request>,
+    /// What each session object it serves gets.
+    objects: crate::service::Shared,
+    internal: mpsc::UnboundedSender<Internal>,
     engine: crate::scheduler::Commands,
+    /// The names of the models loaded and ready, for `ListModels` (answered outside this task).
+    loaded_names: watch::Sender<BTreeSet<String>>,
     models: BTreeMap<String, ModelEntry>,
     sessions: BTreeMap<SessionId, SessionEntry>,
     /// Clients known to be on the bus (see [`State::admit_client`]).
     clients: BTreeMap<String, ClientEntry>,
-    /// The bus driver, to ask whether a client is still connected.
+    /// The bus driver, to ask who a client is and whether it is still connected.
     bus: Option<zbus::fdo::DBusProxy<'static>>,
     next_id: SessionId,
     /// Numbers the placeholder reservations of models being dropped.
@@ -260,15 +281,19 @@ impl<M: Memory> State<M> {
         params: Arc<Params>,
         memory: M,
         conn: zbus::Connection,
-        requests: mpsc::Sender<Request>,
+        objects: crate::service::Shared,
+        internal: mpsc::UnboundedSender<Internal>,
         engine: crate::scheduler::Commands,
+        loaded_names: watch::Sender<BTreeSet<String>>,
     ) -> State<M> {
         State {
             params,
             memory,
             conn,
-            requests,
+            objects,
+            internal,
             engine,
+            loaded_names,
             models: BTreeMap::new(),
             sessions: BTreeMap::new(),
             clients: BTreeMap::new(),
@@ -279,10 +304,11 @@ impl<M: Memory> State<M> {
     }
 
     /// Serves requests until `Shutdown` (or every sender is gone). `departures` carries the
-    /// unique bus names that left the bus.
+    /// unique bus names that left the bus; `internal` what the daemon's own threads ask.
     pub async fn run(
         mut self,
         mut rx: mpsc::Receiver<Request>,
+        mut internal: mpsc::UnboundedReceiver<Internal>,
         mut events: mpsc::UnboundedReceiver<Report>,
         mut departures: mpsc::UnboundedReceiver<String>,
     ) {
@@ -294,11 +320,15 @@ impl<M: Memory> State<M> {
         loop {
             // Engine events first: the engine reports a generation's end before the caller can
             // see it (EOF or an error reply), so a caller's next request never finds the session
-            // still marked busy.
+            // still marked busy. Then the daemon's own threads, which wait on their answers,
+            // then the keep-alive deadline, then clients.
+            let next_unload = self.next_unload();
             tokio::select! {
                 biased;
                 Some(ev) = events.recv() => self.engine_event(ev),
                 Some(client) = departures.recv() => self.client_gone(&client).await,
+                Some(msg) = internal.recv() => self.internal(msg).await,
+                () = sleep_until(next_unload) => self.unload_idle(),
                 req = rx.recv() => match req {
                     Some(Request::Shutdown { reply }) => {
                         self.shutdown().await;
@@ -336,7 +366,8 @@ impl<M: Memory> State<M> {
                 file,
                 Waiter::Load {
                     client: String::new(),
-                    keep_alive: None,
+                    user: nix::unistd::Uid::effective().as_raw(),
+                    keep_alive: KeepAlive::Forever,
                     reply,
                 },
             )
@@ -401,9 +432,6 @@ impl<M: Memory> State<M> {
 
     async fn handle(&mut self, req: Request) {
         match req {
-            Request::ListModels { reply } => {
-                let _ = reply.send(self.list_models().await);
-            }
             Request::LoadModel {
                 file,
                 client,
@@ -412,19 +440,31 @@ impl<M: Memory> State<M> {
             } => {
                 // A lifetime holds memory like a pin, so it counts against the same limit
                 // until the model unloads.
-                if let Err(e) = self.admit_pin(&client, &file.name).await {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
+                let user = match self.admit_pin(&client, &file.name).await {
+                    Ok(user) => user,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
                 let waiter = Waiter::Load {
                     client,
+                    user,
                     keep_alive,
                     reply,
                 };
                 self.load(file, waiter).await;
             }
-            Request::UnloadModel { name, reply } => {
-                let _ = reply.send(self.unload(&name));
+            Request::UnloadModel {
+                name,
+                client,
+                reply,
+            } => {
+                let r = match self.admit_client(&client).await {
+                    Ok(caller) => self.unload(&name, caller),
+                    Err(e) => Err(e),
+                };
+                let _ = reply.send(r);
             }
             Request::OpenSession {
                 file,
@@ -432,15 +472,19 @@ impl<M: Memory> State<M> {
                 client,
                 reply,
             } => {
-                if let Err(e) = self.admit_session(&client).await {
-                    let _ = reply.send(Err(e));
-                    return;
-                }
+                let user = match self.admit_session(&client).await {
+                    Ok(user) => user,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
                 self.load(
                     file,
                     Waiter::Open {
                         context,
                         client,
+                        user,
                         reply,
                     },
                 )
@@ -482,14 +526,21 @@ impl<M: Memory> State<M> {
                 });
                 let _ = reply.send(r);
             }
-            Request::Reserve {
+            Request::Shutdown { .. } => unreachable!("handled in run"),
+        }
+    }
+
+    /// Serves a message of the daemon's own threads.
+    async fn internal(&mut self, msg: Internal) {
+        match msg {
+            Internal::Reserve {
                 name,
                 footprint,
                 reply,
             } => {
                 let _ = reply.send(self.reserve(&name, footprint));
             }
-            Request::ResizeSession { id, bytes, reply } => {
+            Internal::ResizeSession { id, bytes, reply } => {
                 // The scheduler may ask for a session this owner has just closed (its client
                 // vanished); the Close command is on its way to it, so the answer is a refusal.
                 let r = if !self.sessions.contains_key(&id) {
@@ -505,7 +556,7 @@ impl<M: Memory> State<M> {
                 };
                 let _ = reply.send(r);
             }
-            Request::GrowModel { name, bytes, reply } => {
+            Internal::GrowModel { name, bytes, reply } => {
                 let r = match self.memory.grow_model(&name, bytes) {
                     Ok(()) => {
                         self.apply_cache_grants();
@@ -515,91 +566,65 @@ impl<M: Memory> State<M> {
                 };
                 let _ = reply.send(r);
             }
-            Request::ShrinkModel { name, bytes } => {
+            Internal::ShrinkModel { name, bytes } => {
                 self.memory.shrink_model(&name, bytes);
                 self.apply_cache_grants();
             }
-            Request::Released { held } => {
+            Internal::Released { held } => {
                 self.memory.unload_model(&held);
                 self.apply_cache_grants();
             }
-            Request::Loaded { name, result } => self.loaded(&name, result).await,
-            Request::IdleCheck { name } => self.idle_check(&name),
-            Request::Shutdown { .. } => unreachable!("handled in run"),
+            Internal::Loaded { name, result } => self.loaded(&name, result).await,
         }
-    }
-
-    async fn list_models(&self) -> Result<Vec<ModelInfo>, LeanStreamError> {
-        let dir = self.params.model_dir.clone();
-        let files = tokio::task::spawn_blocking(move || {
-            models::list(&dir).map(|files| {
-                let summaries = files.iter().map(|f| summarize(&f.path));
-                files
-                    .iter()
-                    .cloned()
-                    .zip(summaries.collect::<Vec<_>>())
-                    .collect::<Vec<_>>()
-            })
-        })
-        .await
-        .map_err(|e| LeanStreamError::Internal(e.to_string()))?
-        .map_err(|e| LeanStreamError::Internal(format!("reading the model directory: {e}")))?;
-        Ok(files
-            .into_iter()
-            .map(|(f, summary)| {
-                let (architecture, quantization) = match summary {
-                    Ok(s) => (s.architecture, s.quantization),
-                    Err(e) => ("unknown".to_string(), e.to_string()),
-                };
-                ModelInfo {
-                    loaded: matches!(
-                        self.models.get(&f.name).map(|m| &m.slot),
-                        Some(Slot::Ready(_))
-                    ),
-                    name: f.name,
-                    format: f.format.to_string(),
-                    architecture,
-                    quantization,
-                    file_bytes: f.bytes,
-                }
-            })
-            .collect())
     }
 
     /// Checks that `client` is still on the bus the first time it asks for something that
-    /// holds memory, and records it. This closes the race between a request and its client's
-    /// disconnection: the bus sends NameOwnerChanged after the name is gone, so either the
-    /// departure is handled after this request (and releases what it got), or it came first
+    /// holds memory, and records who it is. This closes the race between a request and its
+    /// client's disconnection: the bus sends NameOwnerChanged after the name is gone, so either
+    /// the departure is handled after this request (and releases what it got), or it came first
     /// (forgetting the client) and the bus now answers that the name has no owner (and the
     /// request is refused). A known client needs no new check: its departure is still to come.
-    async fn admit_client(&mut self, client: &str) -> Result<&mut ClientEntry, LeanStreamError> {
-        if !self.clients.contains_key(client)
-            && let Some(bus) = &self.bus
-        {
-            let alive = match zbus::names::BusName::try_from(client) {
-                Ok(name) => bus.name_has_owner(name).await.unwrap_or(false),
-                Err(_) => false,
-            };
-            if !alive {
-                return Err(LeanStreamError::AccessDenied(format!(
-                    "client {client} has left the bus"
-                )));
-            }
+    async fn admit_client(&mut self, client: &str) -> Result<ClientEntry, LeanStreamError> {
+        if let Some(known) = self.clients.get(client) {
+            return Ok(*known);
         }
-        Ok(self.clients.entry(client.to_string()).or_default())
+        let gone = || LeanStreamError::AccessDenied(format!("client {client} has left the bus"));
+        let name = zbus::names::BusName::try_from(client).map_err(|_| gone())?;
+        let user = match &self.bus {
+            // Fails once the name has no owner: the same answer as a departed client.
+            Some(bus) => bus
+                .get_connection_unix_user(name)
+                .await
+                .map_err(|_| gone())?,
+            None => {
+                return Err(LeanStreamError::Internal(
+                    "the bus driver cannot be asked who the caller is".into(),
+                ));
+            }
+        };
+        let admin_group = self.params.admin_group.clone();
+        // User and group lookups may go through NSS (files, LDAP): off the async workers.
+        let admin = tokio::task::spawn_blocking(move || {
+            crate::access::privileged(user, admin_group.as_deref())
+        })
+        .await
+        .unwrap_or(false);
+        let entry = ClientEntry { user, admin };
+        self.clients.insert(client.to_string(), entry);
+        Ok(entry)
     }
 
-    /// Sessions open or waiting for their model: every client's, or `client`'s only.
-    fn sessions_of(&self, client: Option<&str>) -> usize {
-        let mine = |c: &str| client.is_none_or(|want| want == c);
-        let open = self.sessions.values().filter(|s| mine(&s.client)).count();
+    /// Sessions open or waiting for their model: every user's, or `user`'s only.
+    fn sessions_of(&self, user: Option<u32>) -> usize {
+        let mine = |u: u32| user.is_none_or(|want| want == u);
+        let open = self.sessions.values().filter(|s| mine(s.user)).count();
         let waiting: usize = self
             .models
             .values()
             .map(|m| match &m.slot {
                 Slot::Loading(w) => w
                     .iter()
-                    .filter(|w| matches!(w, Waiter::Open { client: c, .. } if mine(c)))
+                    .filter(|w| matches!(w, Waiter::Open { user: u, .. } if mine(*u)))
                     .count(),
                 Slot::Ready(_) => 0,
             })
@@ -607,9 +632,10 @@ impl<M: Memory> State<M> {
         open + waiting
     }
 
-    /// Room for one more session: the daemon's limit and the client's.
-    async fn admit_session(&mut self, client: &str) -> Result<(), LeanStreamError> {
-        self.admit_client(client).await?;
+    /// Room for one more session: the daemon's limit and the user's (all its connections
+    /// together). Returns the client's uid.
+    async fn admit_session(&mut self, client: &str) -> Result<u32, LeanStreamError> {
+        let user = self.admit_client(client).await?.user;
         if self.sessions_of(None) >= self.params.max_sessions {
             return Err(LeanStreamError::Busy(format!(
                 "the daemon already has its maximum of {} sessions",
@@ -617,57 +643,60 @@ impl<M: Memory> State<M> {
             )));
         }
         let limit = self.params.max_sessions_per_client;
-        if self.sessions_of(Some(client)) >= limit {
+        if self.sessions_of(Some(user)) >= limit {
             return Err(LeanStreamError::Busy(format!(
-                "this client already has its maximum of {limit} sessions \
-                 (`limits.max_sessions_per_client`)"
+                "this user already has its maximum of {limit} sessions, over all its \
+                 connections (`limits.max_sessions_per_client`)"
             )));
         }
-        Ok(())
+        Ok(user)
     }
 
-    /// Room for `client` to pin `model` (pinning a model it already pinned is free).
-    async fn admit_pin(&mut self, client: &str, model: &str) -> Result<(), LeanStreamError> {
+    /// Room for `client`'s user to hold `model` (holding a model it already holds is free).
+    /// Returns the client's uid.
+    async fn admit_pin(&mut self, client: &str, model: &str) -> Result<u32, LeanStreamError> {
         let limit = self.params.max_pins_per_client;
-        let entry = self.admit_client(client).await?;
-        if !entry.pins.contains(model) && entry.pins.len() >= limit {
+        let user = self.admit_client(client).await?.user;
+        let held = |m: &ModelEntry| m.holds.by(user);
+        let holds_it = self.models.get(model).is_some_and(held);
+        if !holds_it && self.models.values().filter(|m| held(m)).count() >= limit {
             return Err(LeanStreamError::Busy(format!(
-                "this client already pins its maximum of {limit} models \
+                "this user already keeps its maximum of {limit} models loaded \
                  (`limits.max_pins_per_client`): unload one first"
             )));
         }
-        entry.pins.insert(model.to_string());
-        Ok(())
+        Ok(user)
     }
 
     /// Makes `file`'s model available to `waiter`, loading it on a loader thread if needed.
     async fn load(&mut self, file: ModelFile, waiter: Waiter) {
         let name = file.name.clone();
-        let (pin, asked) = match &waiter {
+        let hold = match &waiter {
             Waiter::Load {
-                keep_alive: None, ..
-            } => (true, KeepAlive::default()),
-            Waiter::Load {
-                keep_alive: Some(k),
-                ..
-            } => (false, *k),
-            Waiter::Open { .. } => (false, KeepAlive::default()),
+                user, keep_alive, ..
+            } => Some((*user, *keep_alive)),
+            Waiter::Open { .. } => None,
         };
         if let Some(entry) = self.models.get_mut(&name) {
-            entry.pinned |= pin;
-            entry.asked_keep_alive = entry.asked_keep_alive.max(asked);
+            if let Some((user, keep_alive)) = hold {
+                entry.holds.add(user, keep_alive);
+            }
             match &mut entry.slot {
                 Slot::Loading(waiters) => waiters.push(waiter),
                 Slot::Ready(model) => {
                     let model = Arc::clone(model);
                     self.serve_waiter(&model, waiter).await;
                     // A lifetime asked of a model without sessions counts from now.
-                    if asked != KeepAlive::default() {
+                    if hold.is_some() {
                         self.unload_if_unused(&name);
                     }
                 }
             }
             return;
+        }
+        let mut holds = Holds::default();
+        if let Some((user, keep_alive)) = hold {
+            holds.add(user, keep_alive);
         }
         tracing::info!(
             "loading model {name} from {} in {} mode",
@@ -678,20 +707,19 @@ impl<M: Memory> State<M> {
             name.clone(),
             ModelEntry {
                 slot: Slot::Loading(vec![waiter]),
-                pinned: pin,
+                holds,
                 reserved: false,
                 idle_since: None,
-                asked_keep_alive: asked,
             },
         );
-        let tx = self.requests.clone();
+        let tx = self.internal.clone();
         let params = Arc::clone(&self.params);
         let spawned = std::thread::Builder::new()
             .name("leanstream-load".into())
             .spawn(move || {
                 let result = load_reserved(&file, &params, &tx).map(Arc::new);
                 let name = file.name;
-                let _ = tx.blocking_send(Request::Loaded { name, result });
+                let _ = tx.send(Internal::Loaded { name, result });
             });
         if let Err(e) = spawned {
             tracing::error!("cannot start a loader thread: {e}");
@@ -787,6 +815,7 @@ impl<M: Memory> State<M> {
             Ok(model) => {
                 tracing::info!("model {name} loaded");
                 entry.slot = Slot::Ready(Arc::clone(&model));
+                self.publish_loaded();
                 // Loaded with its floor: now its cache grows to what the arbiter grants.
                 self.apply_cache_grants();
                 for w in waiters {
@@ -814,17 +843,14 @@ impl<M: Memory> State<M> {
             Waiter::Open {
                 context,
                 client,
+                user,
                 reply,
             } => {
-                let r = match self.open(model, context, client) {
+                let r = match self.open(model, context, client, user) {
                     // Serve the object before answering, so the client can call it at once, and
                     // before the next request, so a departure can only find it served.
                     Ok((id, ())) => {
-                        let obj = crate::service::SessionObject::new(
-                            id,
-                            self.requests.clone(),
-                            Arc::clone(&self.params),
-                        );
+                        let obj = crate::service::SessionObject::new(id, self.objects.clone());
                         let path = path_of(id);
                         match self.conn.object_server().at(path.clone(), obj).await {
                             Ok(_) => Ok(path),
@@ -846,6 +872,7 @@ impl<M: Memory> State<M> {
         model: &Arc<LoadedModel>,
         context: u32,
         client: String,
+        user: u32,
     ) -> Result<(SessionId, ()), LeanStreamError> {
         let model_ctx = model.model.weights.config.context_length;
         let limit = self.params.max_context.min(model_ctx);
@@ -895,8 +922,11 @@ impl<M: Memory> State<M> {
             id,
             model: Arc::clone(model),
             session,
+            user,
         });
-        tracing::info!(
+        // Debug, not info: a client looping over open and close would otherwise write the
+        // journal full.
+        tracing::debug!(
             "session {id} on {} for {client}: up to {context} tokens, {held} bytes at open",
             model.name
         );
@@ -905,6 +935,7 @@ impl<M: Memory> State<M> {
             SessionEntry {
                 model: model.name.clone(),
                 client,
+                user,
                 context: context as u32,
                 busy: false,
                 position: 0,
@@ -915,7 +946,9 @@ impl<M: Memory> State<M> {
         Ok((id, ()))
     }
 
-    fn unload(&mut self, name: &str) -> Result<(), LeanStreamError> {
+    /// `UnloadModel` from `caller`: gives up its hold ([`holds`]) and unloads the model when
+    /// nobody else holds it. Nothing changes while the model loads or has sessions.
+    fn unload(&mut self, name: &str, caller: ClientEntry) -> Result<(), LeanStreamError> {
         models::check_name(name)?;
         let Some(entry) = self.models.get(name) else {
             return Err(LeanStreamError::ModelNotFound(format!(
@@ -928,8 +961,18 @@ impl<M: Memory> State<M> {
                 "model {name:?} is loading or has open sessions"
             )));
         }
-        self.release(name);
-        tracing::info!("model {name} unloaded");
+        let Some(entry) = self.models.get_mut(name) else {
+            return Ok(());
+        };
+        match entry.holds.give_up(caller.user, caller.admin)? {
+            Unload::Now => {
+                self.release(name);
+                tracing::info!("model {name} unloaded");
+            }
+            Unload::KeptByOthers => {
+                tracing::debug!("model {name}: user {} gave up its hold", caller.user);
+            }
+        }
         Ok(())
     }
 
@@ -939,9 +982,6 @@ impl<M: Memory> State<M> {
     /// ledger frees the memory when the process has, so the same model loading again at once,
     /// or a cache growing, never counts on memory that is still in use.
     fn release(&mut self, name: &str) {
-        for c in self.clients.values_mut() {
-            c.pins.remove(name);
-        }
         if let Some(entry) = self.models.remove(name) {
             let held_bytes = self
                 .memory
@@ -957,7 +997,7 @@ impl<M: Memory> State<M> {
                 // Cannot happen: the bytes were just freed and caches are not hard reservations.
                 tracing::error!("placeholder for model {name} while it unloads: {e}");
             }
-            let requests = self.requests.clone();
+            let internal = self.internal.clone();
             let model = match entry.slot {
                 Slot::Ready(model) => Some(model),
                 Slot::Loading(_) => None,
@@ -966,55 +1006,55 @@ impl<M: Memory> State<M> {
                 if let Some(model) = model {
                     drop_last(model);
                 }
-                let _ = requests.blocking_send(Request::Released { held });
+                let _ = internal.send(Internal::Released { held });
             });
+            self.publish_loaded();
         }
     }
 
-    /// Whether model `name` is loaded, not pinned, and has no session.
+    /// Tells `ListModels` which models are loaded now.
+    fn publish_loaded(&self) {
+        let ready = (self.models.iter())
+            .filter(|(_, m)| matches!(m.slot, Slot::Ready(_)))
+            .map(|(name, _)| name.clone())
+            .collect();
+        self.loaded_names.send_replace(ready);
+    }
+
+    /// Whether model `name` is loaded, not pinned by a user, and has no session (its
+    /// configuration may still keep it forever: its idle time is then reported all the same).
     fn unused(&self, name: &str) -> bool {
         self.models.get(name).is_some_and(|m| {
-            !m.pinned
+            m.holds.longest() != KeepAlive::Forever
                 && matches!(m.slot, Slot::Ready(_))
                 && !self.sessions.values().any(|s| s.model == name)
         })
     }
 
-    /// Called when a model may have lost its last session: unloads it at once, or after its
-    /// `keep_alive` of idleness (a timer asks again then), or never.
+    /// Called when a model may have lost its last session, or was given a new lifetime:
+    /// unloads it at once, or (re)starts its wait of `keep_alive` from now (the owner's loop
+    /// wakes at [`State::next_unload`]), or keeps it.
     fn unload_if_unused(&mut self, name: &str) {
         if !self.unused(name) {
             return;
         }
-        let keep_alive = self.keep_alive(name);
-        if keep_alive == KeepAlive::UntilLastClose {
+        if self.keep_alive(name) == KeepAlive::UntilLastClose {
             self.release(name);
             tracing::info!("model {name} unloaded (no sessions left)");
             return;
         }
         if let Some(m) = self.models.get_mut(name) {
-            m.idle_since = Some(std::time::Instant::now());
-        }
-        match keep_alive {
-            KeepAlive::UntilLastClose | KeepAlive::Forever => {}
-            KeepAlive::Idle(after) => {
-                let requests = self.requests.clone();
-                let name = name.to_string();
-                tokio::spawn(async move {
-                    tokio::time::sleep(after).await;
-                    let _ = requests.send(Request::IdleCheck { name }).await;
-                });
-            }
+            m.idle_since = Some(Instant::now());
         }
     }
 
     /// How long model `name` stays loaded without sessions: its configured `keep_alive`, or
-    /// the longest lifetime a `LoadModelFor` asked for since it loaded, whichever is longer.
+    /// the longest hold a user has on it (a pin is `Forever`), whichever is longer.
     fn keep_alive(&self, name: &str) -> KeepAlive {
         let configured = self.params.model(name).keep_alive;
         self.models
             .get(name)
-            .map_or(configured, |m| configured.max(m.asked_keep_alive))
+            .map_or(configured, |m| configured.max(m.holds.longest()))
     }
 
     /// How long an unused, unpinned model has been without sessions.
@@ -1031,23 +1071,32 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// A `keep_alive` timer ran out: unloads the model if it has been unused for that long. A
-    /// session that came and went since restarted the wait (its own timer asks later).
-    fn idle_check(&mut self, name: &str) {
-        let KeepAlive::Idle(after) = self.keep_alive(name) else {
-            return;
-        };
-        let idle_long_enough = self
-            .models
-            .get(name)
-            .and_then(|m| m.idle_since)
-            .is_some_and(|since| since.elapsed() >= after);
-        if idle_long_enough && self.unused(name) {
-            self.release(name);
-            tracing::info!(
-                "model {name} unloaded (idle for {}s, its keep_alive)",
-                after.as_secs()
-            );
+    /// The moment the first unused model's `keep_alive` runs out, if one will.
+    fn next_unload(&self) -> Option<Instant> {
+        (self.models.iter())
+            .filter(|(name, _)| self.unused(name))
+            .filter_map(|(name, m)| match self.keep_alive(name) {
+                KeepAlive::Idle(after) => m.idle_since.map(|since| since + after),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Unloads every unused model whose `keep_alive` has run out.
+    fn unload_idle(&mut self) {
+        let now = Instant::now();
+        let due: Vec<(String, KeepAlive)> = (self.models.iter())
+            .filter(|(name, _)| self.unused(name))
+            .map(|(name, m)| (name, m, self.keep_alive(name)))
+            .filter(|(_, m, keep_alive)| match keep_alive {
+                KeepAlive::Idle(after) => m.idle_since.is_some_and(|since| since + *after <= now),
+                _ => false,
+            })
+            .map(|(name, _, keep_alive)| (name.clone(), keep_alive))
+            .collect();
+        for (name, keep_alive) in due {
+            self.release(&name);
+            tracing::info!("model {name} unloaded (idle for its keep_alive, {keep_alive:?})");
         }
     }
 
@@ -1120,7 +1169,7 @@ impl<M: Memory> State<M> {
         {
             tracing::warn!("removing session object {id}: {e}");
         }
-        tracing::info!("session {id} closed");
+        tracing::debug!("session {id} closed");
         self.unload_if_unused(&s.model);
     }
 
@@ -1239,13 +1288,13 @@ impl<M: Memory> State<M> {
 fn load_reserved(
     file: &ModelFile,
     params: &Params,
-    requests: &mpsc::Sender<Request>,
+    internal: &mpsc::UnboundedSender<Internal>,
 ) -> Result<LoadedModel, LoadError> {
     let footprint = Footprint::of(file, params.model(&file.name))?.on_backend(params.backend);
     let (reply, rx) = oneshot::channel();
     let gone = || LoadError::Failed("the daemon is shutting down".into());
-    requests
-        .blocking_send(Request::Reserve {
+    internal
+        .send(Internal::Reserve {
             name: file.name.clone(),
             footprint,
             reply,
@@ -1279,5 +1328,13 @@ fn reply_err(waiter: Waiter, e: LeanStreamError) {
         Waiter::Open { reply, .. } => {
             let _ = reply.send(Err(e));
         }
+    }
+}
+
+/// Sleeps until `deadline`; forever when there is none.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }
