@@ -372,11 +372,18 @@ impl Daemon {
         std::fs::write(dir.path().join("outside.gguf"), b"not a model")?;
         std::os::unix::fs::symlink(dir.path().join("outside.gguf"), models.join("escape.gguf"))?;
         let conf = dir.path().join("leanstreamd.toml");
+        // The tests' clients are mostly one user (root), and per-client limits count a user's
+        // connections together: unless a test sets its own, a user may have every session.
+        let per_user = if cfg.extra.contains("max_sessions_per_client") {
+            String::new()
+        } else {
+            format!("max_sessions_per_client = {}\n", cfg.max_sessions)
+        };
         std::fs::write(
             &conf,
             format!(
                 "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"{}\"\n\
-                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}\n",
+                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}{}\n",
                 models.display(),
                 cfg.budget,
                 cfg.precision,
@@ -384,6 +391,7 @@ impl Daemon {
                 cfg.max_context,
                 cfg.max_tokens,
                 cfg.max_prompt_bytes,
+                per_user,
                 cfg.extra
             ),
         )?;

@@ -124,8 +124,16 @@ fn one_client_cannot_hoard_sessions_or_models() -> anyhow::Result<()> {
         let daemon = crate::start_daemon(&bus, &cfg).await?;
         add_model(&daemon, "second")?;
         add_model(&daemon, "third")?;
+        // Limits are per user: the other client must be another user (the tests run as root).
+        let other_user = match unprivileged_users() {
+            Ok([user, _]) => user,
+            Err(why) => {
+                eprintln!("one_client_cannot_hoard_sessions_or_models: skipped, {why}");
+                return Ok(());
+            }
+        };
         let hoarder = Client::new(&bus).await?;
-        let other = Client::new(&bus).await?;
+        let other = Client::new_as(&bus, &other_user).await?;
         let mut held = Vec::new();
         for _ in 0..3 {
             held.push(hoarder.open(64).await?);
@@ -172,7 +180,8 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
             budget: format!("{budget}"),
             max_sessions: 12,
             max_context: 256,
-            extra: "[models.stream]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 0.5\n"
+            // Every client here is root, one user: its pins are counted together.
+            extra: "max_pins_per_client = 8\n[models.stream]\nmode = \"leanstream\"\nsparsity = 0\ncache_share = 0.5\n"
                 .into(),
             ..DaemonConfig::default()
         };
@@ -287,8 +296,8 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
         quiet.manager.load_model(MODEL).await?;
         // Models load one after another until one does not fit: a 200 MiB budget holds at most
         // two copies of the ~100 MB model, so the refusal comes by the third of these.
-        // Each load comes from its own client (kept connected so its pin holds), as a client may
-        // pin only a few models.
+        // Each load comes from its own client, kept connected (its pins count against the one
+        // user all these clients are, whose limit this test raises).
         let (mut refused, mut loaders) = (None, Vec::new());
         for name in ["third", "fourth", "fifth"] {
             let before = ledger(settled_memory(&quiet).await?);
