@@ -1,7 +1,8 @@
 //! Wiring: logging, the bus connection, startup order and shutdown.
 //!
-//! Startup order: the engine scheduler thread starts and signals ready; the connection is built
-//! and the Manager object served; the state owner and the client watcher start; only then is the
+//! Startup order: the scheduler's admission and worker threads start and signal ready; the
+//! connection is built and the Manager object and the session directory served; the state owner
+//! and the client watcher start; only then is the
 //! bus name requested, so no call can arrive before everything is up. Shutdown (SIGTERM, SIGINT,
 //! or the injected future in tests): the state owner cancels every generation (streams end with
 //! `Cancelled`) and stops the scheduler, the name is released, and the process exits 0.
@@ -18,10 +19,12 @@ use zbus::fdo::{RequestNameFlags, RequestNameReply};
 use crate::calls::Calls;
 use crate::catalog::Catalog;
 use crate::config::Params;
+use crate::directory;
 use crate::memory;
 use crate::scheduler::{Scheduler, SessionBudget};
 use crate::service::{Manager, Shared};
 use crate::state::{Budget, Request, State};
+use crate::typed::Typed;
 
 /// Depth of the request channel between the D-Bus objects and the state owner.
 const REQUEST_QUEUE: usize = 64;
@@ -116,10 +119,13 @@ pub async fn run(
     };
     let conn = connect(bus)
         .await?
-        .serve_at(MANAGER_PATH, manager)?
+        .serve_at(MANAGER_PATH, Typed::new(manager))?
         .build()
         .await
         .with_context(|| format!("connecting to the {bus} bus"))?;
+    directory::serve(&conn)
+        .await
+        .context("serving the session directory")?;
     let state = State::new(
         Arc::clone(&params),
         memory::arbiter(params.budget_bytes),

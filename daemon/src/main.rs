@@ -4,7 +4,8 @@
 //! model directory), [`arbiter`] (the memory budget, a pure state machine), [`memory`] (what the
 //! state owner needs from it), [`loader`] (a model in the configured mode, with its sparse
 //! pipeline and neuron cache), [`scheduler`] (the thread that decides who runs next and runs the generations), [`state`] (the one task owning the state), [`service`]
-//! (the thin D-Bus objects), [`daemon`] (wiring, startup order and shutdown). Freed memory is
+//! (the thin D-Bus objects), [`typed`] (their argument types checked first), [`directory`] (the
+//! node above the sessions, listing none), [`daemon`] (wiring, startup order and shutdown). Freed memory is
 //! handed back through [`leanstream_engine::alloc`].
 
 mod access;
@@ -13,6 +14,7 @@ mod calls;
 mod catalog;
 mod config;
 mod daemon;
+mod directory;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod loader;
@@ -23,6 +25,7 @@ mod service;
 mod state;
 #[cfg(test)]
 mod testing;
+mod typed;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -37,6 +37,7 @@ use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
 use crate::scheduler::{Command, GenSpec, Input, LoadedModel, Report};
+use crate::typed::Typed;
 use holds::{Holds, Unload};
 
 type Reply<T> = oneshot::Sender<Result<T, LeanStreamError>>;
@@ -389,7 +390,7 @@ impl<M: Memory> State<M> {
             let _ = self
                 .conn
                 .object_server()
-                .remove::<crate::service::SessionObject, _>(path_of(id))
+                .remove::<Typed<crate::service::SessionObject>, _>(path_of(id))
                 .await;
         }
     }
@@ -850,7 +851,10 @@ impl<M: Memory> State<M> {
                     // Serve the object before answering, so the client can call it at once, and
                     // before the next request, so a departure can only find it served.
                     Ok((id, ())) => {
-                        let obj = crate::service::SessionObject::new(id, self.objects.clone());
+                        let obj = Typed::new(crate::service::SessionObject::new(
+                            id,
+                            self.objects.clone(),
+                        ));
                         let path = path_of(id);
                         match self.conn.object_server().at(path.clone(), obj).await {
                             Ok(_) => Ok(path),
@@ -1164,7 +1168,7 @@ impl<M: Memory> State<M> {
         if let Err(e) = self
             .conn
             .object_server()
-            .remove::<crate::service::SessionObject, _>(path_of(id))
+            .remove::<Typed<crate::service::SessionObject>, _>(path_of(id))
             .await
         {
             tracing::warn!("removing session object {id}: {e}");
