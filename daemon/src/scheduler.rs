@@ -425,7 +425,12 @@ impl Worker {
             }
             Work::Close { id } => {
                 if let Some(mut s) = self.sessions.remove(&id) {
-                    if s.run.take().is_some() {
+                    if let Some(mut r) = s.run.take() {
+                        // The stream ends with an event, not a bare EOF (which means the daemon
+                        // broke). One write, as much as the pipe takes: a reader that has let
+                        // its pipe fill up gets EOF.
+                        r.end_with_error("Cancelled", "the session was closed");
+                        let _ = r.flush();
                         self.finished(id, true, 0, 0);
                     }
                     drop(s);

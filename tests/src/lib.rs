@@ -61,13 +61,23 @@ pub struct TestRuntime(Option<tokio::runtime::Runtime>);
 impl TestRuntime {
     /// Runs a test body to completion, or fails once it has run for [`TEST_LIMIT`].
     pub fn block_on<T>(&self, test: impl Future<Output = Result<T>>) -> Result<T> {
+        self.block_on_within(TEST_LIMIT, test)
+    }
+
+    /// Runs a test body to completion, or fails once it has run for `limit` (for a test whose
+    /// length is set from outside, like the soak).
+    pub fn block_on_within<T>(
+        &self,
+        limit: Duration,
+        test: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
         let Some(rt) = &self.0 else {
             bail!("the test runtime is shut down");
         };
         rt.block_on(async {
-            match tokio::time::timeout(TEST_LIMIT, test).await {
+            match tokio::time::timeout(limit, test).await {
                 Ok(result) => result,
-                Err(_) => bail!("the test did not finish within {TEST_LIMIT:?}: it hangs"),
+                Err(_) => bail!("the test did not finish within {limit:?}: it hangs"),
             }
         })
     }
@@ -121,6 +131,28 @@ pub fn daemon_binary() -> PathBuf {
         bin
     })
     .clone()
+}
+
+/// The `leanstream` CLI: `$LEANSTREAM_BIN` when set, else the one built beside the daemon (the
+/// build in [`daemon_binary`] builds every binary of the workspace).
+pub fn cli_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("LEANSTREAM_BIN") {
+        return PathBuf::from(p);
+    }
+    let daemon = daemon_binary();
+    let exe = std::env::current_exe().unwrap_or_default();
+    let cli = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("leanstream"))
+        .unwrap_or_default();
+    assert!(
+        cli.is_file(),
+        "no leanstream CLI at {} (daemon at {}); set LEANSTREAM_BIN",
+        cli.display(),
+        daemon.display()
+    );
+    cli
 }
 
 /// The daemon binary a test runs: `$LEANSTREAMD_BIN` when set, else `built` (the one cargo built

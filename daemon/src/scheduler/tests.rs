@@ -387,6 +387,36 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
 }
 
 #[test]
+fn closing_a_session_mid_generation_ends_its_stream_with_cancelled() {
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
+    // Slow passes, so that the close arrives while the generation runs.
+    let session = Box::new(Hooked {
+        inner: exact(&model, 256, KvType::F32),
+        before_pass: Box::new(|| std::thread::sleep(std::time::Duration::from_millis(20))),
+    });
+    open(&engine, 1, &model, session);
+    let (read, out) = std::io::pipe().unwrap();
+    let accepted = send_generate(&engine, 1, PROMPT, spec(200, Priority::default()), out);
+    accepted.blocking_recv().unwrap().unwrap();
+    engine.tx.send(Command::Close { id: 1 }).unwrap();
+    let events = read_events(read);
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+    assert!(
+        ids(&events).len() < 200,
+        "the close came too late: {events:?}"
+    );
+    assert!(
+        matches!(events.last(), Some(StreamEvent::Error { name, .. }) if name == "Cancelled"),
+        "{events:?}"
+    );
+}
+
+#[test]
 fn kv_over_budget_refuses_a_prompt_up_front_or_ends_a_generation_and_the_session_stays_usable() {
     let fx = Fixture::new();
     let file = fx.gguf("tiny");

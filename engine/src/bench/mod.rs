@@ -10,6 +10,7 @@
 //! throughput during decode is compared with.
 
 pub mod disk;
+pub mod disk_curve;
 pub mod process;
 pub mod report;
 mod run;
