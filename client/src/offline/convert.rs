@@ -14,6 +14,12 @@ pub enum DownType {
     #[default]
     #[value(name = "q8_0")]
     Q8_0,
+    /// ~0.69 bytes per value: smaller neuron bundles, so more neurons per read.
+    #[value(name = "q5_0")]
+    Q5_0,
+    /// ~0.56 bytes per value.
+    #[value(name = "q4_0")]
+    Q4_0,
     /// 2 bytes per value, relative error ~1e-4 on Q4 sources.
     F16,
 }
@@ -41,6 +47,8 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         down_dtype: match args.down_type {
             DownType::F16 => DType::F16,
             DownType::Q8_0 => DType::Q8_0,
+            DownType::Q5_0 => DType::Q5_0,
+            DownType::Q4_0 => DType::Q4_0,
         },
     };
     let bar = ProgressBar::new(model.config.n_layers as u64).with_style(

@@ -41,6 +41,8 @@ pub enum DownType {
     #[value(name = "q8_0")]
     Q8_0,
     F16,
+    #[value(name = "q5_0")]
+    Q5_0,
     #[value(name = "q4_0")]
     Q4_0,
 }
@@ -160,6 +162,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     opts.down_dtype = match args.down_type {
         DownType::Q8_0 => DType::Q8_0,
         DownType::F16 => DType::F16,
+        DownType::Q5_0 => DType::Q5_0,
         DownType::Q4_0 => DType::Q4_0,
     };
     let bar = ProgressBar::new(0).with_style(

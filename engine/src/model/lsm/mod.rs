@@ -50,7 +50,7 @@ pub use calibration::{
 };
 pub use layout::{ChunkId, ChunkLayout};
 pub use rewrite::write_calibrated;
-pub use write::{ConvertOptions, ConvertReport, convert};
+pub use write::{ConvertOptions, ConvertReport, DOWN_DTYPES, convert};
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"LEANSTRM";

@@ -23,10 +23,21 @@ pub struct ConvertOptions {
     /// neuron bundles as fit one [`ALIGN`] page, at least one — the smallest read the storage
     /// serves, so a chunk is needed only when one of a few neurons is active.
     pub chunk_neurons: Option<usize>,
-    /// Storage type of the transposed down columns: `Q8_0` (the default: 1.06 bytes a value,
-    /// relative RMS error ~4e-3, below the sparse path's own approximation), `F16` or `F32`.
+    /// Storage type of the transposed down columns, one of [`DOWN_DTYPES`]: `Q8_0` (the
+    /// default: 1.06 bytes a value, relative RMS error ~4e-3, below the sparse path's own
+    /// approximation); `Q5_0` (0.69 bytes) and `Q4_0` (0.56) make a neuron's bundle smaller,
+    /// so more of them fit a read; `F16`, `F32` for reference.
     pub down_dtype: DType,
 }
+
+/// The types a down column may be stored in.
+pub const DOWN_DTYPES: [DType; 5] = [
+    DType::Q8_0,
+    DType::Q5_0,
+    DType::Q4_0,
+    DType::F16,
+    DType::F32,
+];
 
 impl Default for ConvertOptions {
     fn default() -> Self {
@@ -154,10 +165,11 @@ pub fn convert(
             reason: format!("{k} is outside 1..=4096"),
         });
     }
-    if !matches!(opts.down_dtype, DType::F16 | DType::Q8_0 | DType::F32) {
+    if !DOWN_DTYPES.contains(&opts.down_dtype) {
+        let names: Vec<String> = DOWN_DTYPES.iter().map(ToString::to_string).collect();
         return Err(Error::InvalidArgument {
             arg: "down_dtype",
-            reason: format!("{} is not one of f16, q8_0, f32", opts.down_dtype),
+            reason: format!("{} is not one of {}", opts.down_dtype, names.join(", ")),
         });
     }
     let weights = Weights::from_imported(src)?;

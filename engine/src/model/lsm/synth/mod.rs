@@ -165,7 +165,7 @@ pub struct SynthOptions {
     /// Storage type of every matrix but the down columns: `Q4_0` (default) or `Q4_1`.
     pub weight_dtype: DType,
     /// Storage type of the down columns: `Q8_0` (default, what `convert --down-type q8_0`
-    /// writes), `F16` or `Q4_0`.
+    /// writes), `F16`, `Q5_0` or `Q4_0`.
     pub down_dtype: DType,
     /// Recall the predictor's cut-offs are set for. Default 0.95.
     pub target_recall: f32,
@@ -219,10 +219,13 @@ impl SynthOptions {
                 format!("{} is not q4_0 or q4_1", self.weight_dtype),
             );
         }
-        if !matches!(self.down_dtype, DType::Q8_0 | DType::F16 | DType::Q4_0) {
+        if !matches!(
+            self.down_dtype,
+            DType::Q8_0 | DType::F16 | DType::Q5_0 | DType::Q4_0
+        ) {
             return bad(
                 "down_dtype",
-                format!("{} is not q8_0, f16 or q4_0", self.down_dtype),
+                format!("{} is not q8_0, f16, q5_0 or q4_0", self.down_dtype),
             );
         }
         if !(self.target_recall > 0.0 && self.target_recall < 1.0) || self.sim_tokens < 2 {

@@ -57,6 +57,30 @@ fn the_tiny_shape_loads_checks_out_and_is_seed_determined() {
 }
 
 #[test]
+fn every_down_type_makes_one_neuron_bundles_of_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = SynthShape::TINY.d_model;
+    for down in [DType::Q8_0, DType::Q5_0, DType::Q4_0, DType::F16] {
+        let path = dir.path().join(format!("tiny-{down}.lsm"));
+        let mut opts = SynthOptions::new(SynthShape::TINY);
+        opts.chunk_neurons = 1;
+        opts.down_dtype = down;
+        synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap();
+        let f = LsmFile::open(&path).unwrap();
+        f.verify_streamed(&path).unwrap();
+        let ffn = &f.header.ffn;
+        let rows = 2 * opts.weight_dtype.row_bytes(d).unwrap();
+        assert_eq!(ffn.down_dtype, down);
+        assert_eq!(ffn.chunk_neurons, 1);
+        assert_eq!(
+            ffn.bundle_bytes,
+            rows + down.row_bytes(d).unwrap(),
+            "{down}"
+        );
+    }
+}
+
+#[test]
 fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = tiny(dir.path(), 1);
