@@ -7,7 +7,7 @@
 //! and alignment is no longer required.
 
 use std::io::{self, IoSliceMut};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
@@ -136,6 +136,10 @@ impl ReadAt for DirectFile {
 
     fn path(&self) -> Option<&Path> {
         Some(&self.path)
+    }
+
+    fn raw_fd(&self) -> Option<RawFd> {
+        Some(self.fd.as_raw_fd())
     }
 }
 

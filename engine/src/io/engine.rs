@@ -1,5 +1,6 @@
 //! The I/O engine interface the pipeline drives: requests go in by priority, completions come out.
-//! [`super::ThreadPoolIo`] implements it.
+//! [`super::UringIo`] (io_uring) and [`super::ThreadPoolIo`] (OS threads, the fallback where
+//! io_uring is refused) implement it; [`super::open_engine`] picks one.
 
 use std::time::Duration;
 
@@ -25,7 +26,10 @@ pub struct Completion {
 pub struct IoStats {
     /// Requests submitted.
     pub requests: u64,
-    /// `read_at` calls made (each is one `preadv`; interrupted ones included).
+    /// Reads issued: `preadv` calls of the pool, reads submitted to the ring of [`UringIo`]
+    /// (continuations of short reads included); interrupted ones included.
+    ///
+    /// [`UringIo`]: super::UringIo
     pub syscalls: u64,
     /// Requests that rode along in another request's read (a merged read of n requests adds n-1).
     pub coalesced: u64,
@@ -75,7 +79,7 @@ pub trait IoEngine: Send + Sync {
 /// Default of [`IoOptions::max_gap_bytes`] (see the README's I/O notes for the measurement).
 pub const DEFAULT_MAX_GAP_BYTES: usize = 8 << 10;
 
-/// Options of [`ThreadPoolIo`](super::ThreadPoolIo).
+/// Options of either engine ([`super::UringIo`], [`super::ThreadPoolIo`]).
 #[derive(Clone, Debug)]
 pub struct IoOptions {
     /// Largest merged read, in bytes (default 1 MiB). A single larger request is still read whole.

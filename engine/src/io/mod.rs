@@ -8,7 +8,9 @@
 //! - [`queue`]: read requests (with the checksum a chunk must match) and the priority queue with
 //!   its coalescing plan;
 //! - [`engine`]: the [`IoEngine`] trait, requests' [`Completion`]s, [`IoStats`];
-//! - [`pool`]: [`ThreadPoolIo`], the OS-thread implementation.
+//! - [`pool`]: [`ThreadPoolIo`], the OS-thread implementation;
+//! - [`uring`]: [`UringIo`], the io_uring implementation, and [`open_engine`], which picks it where
+//!   the kernel allows io_uring and the pool elsewhere (`LEANSTREAM_IO=pool|uring` forces one).
 
 pub mod aligned;
 pub mod direct;
@@ -17,6 +19,7 @@ pub mod fault;
 pub mod pool;
 pub mod queue;
 pub mod read;
+pub mod uring;
 
 pub use aligned::{AlignedBuf, PAGE, align_down, align_up, align_up_usize, is_page_aligned};
 pub use direct::DirectFile;
@@ -25,3 +28,4 @@ pub use fault::{Fault, FaultKind, FaultyReader, MemReader};
 pub use pool::ThreadPoolIo;
 pub use queue::{ChunkCheck, ReadRequest, ReadTarget};
 pub use read::{ReadAt, ReadCounters, read_exact_at};
+pub use uring::{IO_BACKEND_ENV, IoBackend, UringIo, open_engine, open_engine_with};

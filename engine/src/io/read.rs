@@ -22,6 +22,14 @@ pub trait ReadAt: Send + Sync + std::fmt::Debug {
     fn path(&self) -> Option<&std::path::Path> {
         None
     }
+
+    /// The open file that `read_at` reads, for engines that issue reads on it themselves (the
+    /// io_uring engine, [`super::UringIo`]); `None` (the default) when reads must go through
+    /// `read_at`: memory sources, and wrappers that change what a read does (fault injection).
+    /// The descriptor stays open as long as the reader lives.
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 /// What one exact read cost, for the pool's statistics.

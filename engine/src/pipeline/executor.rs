@@ -11,10 +11,15 @@ use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
-use crate::io::{DirectFile, IoOptions, ThreadPoolIo};
+use crate::io::{DirectFile, IoOptions, open_engine};
 use crate::model::lsm::PredictorKind;
 use crate::model::{LayerWeights, Residency};
 use crate::{Error, Result};
+
+/// Reads a streaming pipeline keeps in flight where io_uring serves them (elsewhere the pool's
+/// `io_threads` threads read one each): small chunk reads (4–64 KiB) reach most of the disk's
+/// bandwidth only at depths of 16 and more (`leanstream plan --disk-probe` prints the curve).
+pub const IO_DEPTH: usize = 32;
 
 /// How to build a sparse pipeline.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +29,7 @@ pub struct ExecutorOptions {
     pub policy: Option<Policy>,
     /// Bytes of the neuron cache (cache-backed modes).
     pub cache_bytes: usize,
+    /// Threads of the I/O pool where io_uring is refused ([`crate::io::open_engine`]).
     pub io_threads: usize,
     /// Largest hole a merged read may bridge ([`IoOptions::max_gap_bytes`]).
     pub io_gap_bytes: usize,
@@ -74,13 +80,13 @@ impl Executor {
                     verify_chunks: opts.verify_chunks,
                     ..IoOptions::default()
                 };
-                let io = ThreadPoolIo::new(Arc::new(file), opts.io_threads.max(1), io_opts)?;
+                let io = open_engine(Arc::new(file), IO_DEPTH, opts.io_threads.max(1), io_opts)?;
                 Ok(Executor::Streaming(Box::new(StreamingFfn::new(
                     Arc::clone(sm),
                     selector,
                     policy,
                     opts.cache_bytes,
-                    Box::new(io),
+                    io,
                     opts.precision,
                 )?)))
             }

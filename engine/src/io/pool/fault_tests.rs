@@ -1,32 +1,34 @@
-//! Fault injection through the pool: transient faults are retried, persistent ones fail only
-//! their own request, `EINTR` and short reads are invisible.
+//! Fault injection through the engines: transient faults are retried, persistent ones fail only
+//! their own request, `EINTR` and short reads are invisible. On [`Engine::Uring`] the faults reach
+//! the ring thread as the kernel would report them (negated errno, short counts), through the
+//! simulated ring.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::tests::{Gate, collect, pattern, slot, submit, wait_until};
+use super::tests::{ENGINES, Engine, Gate, collect, pattern, slot, submit, wait_until};
 use super::*;
 use crate::io::{AlignedBuf, Fault, FaultKind, FaultyReader, MemReader, PAGE};
 
 /// Pages 0..10 merged behind a blocked read, with `fault` on page 5.
-fn faulty_run(fault: Fault) -> (Vec<Completion>, IoStats, Vec<u8>, AlignedBuf) {
+fn faulty_run(engine: Engine, fault: Fault) -> (Vec<Completion>, IoStats, Vec<u8>, AlignedBuf) {
     let data = pattern(64 * PAGE);
     let faulty = FaultyReader::new(Arc::new(MemReader::new(data.clone())), vec![fault]);
     let gate = Gate::new(Arc::new(faulty));
     let mut arena = AlignedBuf::zeroed(11 * 4 * PAGE).expect("arena");
-    let io = ThreadPoolIo::new(gate.clone(), 1, IoOptions::default()).expect("pool");
-    submit(&io, &mut arena, 100, 40, 1, 10, 0.0);
+    let io = engine.open(gate.clone(), 1, IoOptions::default());
+    submit(&*io, &mut arena, 100, 40, 1, 10, 0.0);
     wait_until("the first read to block", || {
         gate.started.load(Ordering::SeqCst) == 1
     });
     for p in 0..10u64 {
-        submit(&io, &mut arena, p, p, 1, p as usize, 1.0);
+        submit(&*io, &mut arena, p, p, 1, p as usize, 1.0);
     }
     gate.open();
-    let mut done = collect(&io, 11);
-    // The pool keeps serving after a failure.
-    submit(&io, &mut arena, 200, 30, 1, 10, 0.0);
-    done.extend(collect(&io, 1));
+    let mut done = collect(&*io, 11);
+    // The engine keeps serving after a failure.
+    submit(&*io, &mut arena, 200, 30, 1, 10, 0.0);
+    done.extend(collect(&*io, 1));
     let stats = io.stats();
     drop(io);
     (done, stats, data, arena)
@@ -34,25 +36,34 @@ fn faulty_run(fault: Fault) -> (Vec<Completion>, IoStats, Vec<u8>, AlignedBuf) {
 
 #[test]
 fn transient_faults_are_retried_and_succeed() {
-    let page5 = 5 * PAGE as u64..6 * PAGE as u64;
-    let (done, s, data, arena) =
-        faulty_run(Fault::on_range(page5, FaultKind::Error(std::io::ErrorKind::Other)).times(2));
-    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
-    for p in 0..10 {
-        assert_eq!(slot(&arena, p, 1), &data[p * PAGE..][..PAGE]);
+    for engine in ENGINES {
+        let page5 = 5 * PAGE as u64..6 * PAGE as u64;
+        let fault = Fault::on_range(page5, FaultKind::Error(std::io::ErrorKind::Other)).times(2);
+        let (done, s, data, arena) = faulty_run(engine, fault);
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        for p in 0..10 {
+            assert_eq!(slot(&arena, p, 1), &data[p * PAGE..][..PAGE]);
+        }
+        assert_eq!(s.failures, 0);
+        // The merged read fails (fault 1), its 10 requests are re-read alone, page 5 fails once
+        // more.
+        assert_eq!(s.retries, 10 + 1);
     }
-    assert_eq!(s.failures, 0);
-    // The merged read fails (fault 1), its 10 requests are re-read alone, page 5 fails once more.
-    assert_eq!(s.retries, 10 + 1);
 }
 
 #[test]
 fn persistent_fault_fails_only_its_request() {
+    for engine in ENGINES {
+        persistent_fault_on(engine);
+    }
+}
+
+fn persistent_fault_on(engine: Engine) {
     let page5 = 5 * PAGE as u64..6 * PAGE as u64;
-    let (done, s, data, arena) = faulty_run(Fault::on_range(
-        page5,
-        FaultKind::Error(std::io::ErrorKind::Other),
-    ));
+    let (done, s, data, arena) = faulty_run(
+        engine,
+        Fault::on_range(page5, FaultKind::Error(std::io::ErrorKind::Other)),
+    );
     for c in &done {
         if c.id == 5 {
             let err = c.result.as_ref().expect_err("page 5 is bad");
@@ -81,6 +92,12 @@ fn persistent_fault_fails_only_its_request() {
 
 #[test]
 fn eintr_and_short_reads_are_transparent() {
+    for engine in ENGINES {
+        eintr_and_short_reads_on(engine);
+    }
+}
+
+fn eintr_and_short_reads_on(engine: Engine) {
     let data = pattern(128 * PAGE);
     let faulty = FaultyReader::new(
         Arc::new(MemReader::new(data.clone())),
@@ -96,11 +113,11 @@ fn eintr_and_short_reads_are_transparent() {
         max_gap_bytes: 0,
         ..IoOptions::default()
     };
-    let io = ThreadPoolIo::new(Arc::new(faulty), 3, opts).expect("pool");
+    let io = engine.open(Arc::new(faulty), 3, opts);
     for id in 0..50u64 {
-        submit(&io, &mut arena, id, (id * 37) % 120, 3, id as usize, 0.5);
+        submit(&*io, &mut arena, id, (id * 37) % 120, 3, id as usize, 0.5);
     }
-    let done = collect(&io, 50);
+    let done = collect(&*io, 50);
     for c in &done {
         assert!(c.result.is_ok(), "{c:?}");
         let page = ((c.id * 37) % 120) as usize;

@@ -17,43 +17,43 @@ use super::read::{ReadAt, ReadCounters, read_exact_at};
 use crate::{Error, Result};
 
 #[derive(Debug, Default)]
-struct AtomicStats {
-    requests: AtomicU64,
-    syscalls: AtomicU64,
-    coalesced: AtomicU64,
-    bytes: AtomicU64,
-    gap_bytes: AtomicU64,
-    retries: AtomicU64,
-    failures: AtomicU64,
-    checksum_mismatches: AtomicU64,
-    busy_ns: AtomicU64,
+pub(super) struct AtomicStats {
+    pub(super) requests: AtomicU64,
+    pub(super) syscalls: AtomicU64,
+    pub(super) coalesced: AtomicU64,
+    pub(super) bytes: AtomicU64,
+    pub(super) gap_bytes: AtomicU64,
+    pub(super) retries: AtomicU64,
+    pub(super) failures: AtomicU64,
+    pub(super) checksum_mismatches: AtomicU64,
+    pub(super) busy_ns: AtomicU64,
 }
 
-fn add(counter: &AtomicU64, n: u64) {
+pub(super) fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
 }
 
 #[derive(Debug)]
-struct QueueState {
-    queue: RequestQueue,
-    shutdown: bool,
+pub(super) struct QueueState {
+    pub(super) queue: RequestQueue,
+    pub(super) shutdown: bool,
 }
 
 #[derive(Debug)]
-struct Shared {
-    reader: Arc<dyn ReadAt>,
-    opts: IoOptions,
-    queue: Mutex<QueueState>,
-    work: Condvar,
-    done: Mutex<Vec<Completion>>,
-    done_cv: Condvar,
-    pending: AtomicUsize,
-    stats: AtomicStats,
+pub(super) struct Shared {
+    pub(super) reader: Arc<dyn ReadAt>,
+    pub(super) opts: IoOptions,
+    pub(super) queue: Mutex<QueueState>,
+    pub(super) work: Condvar,
+    pub(super) done: Mutex<Vec<Completion>>,
+    pub(super) done_cv: Condvar,
+    pub(super) pending: AtomicUsize,
+    pub(super) stats: AtomicStats,
 }
 
 /// Locks, ignoring poisoning: no code path panics while holding these locks with state half
 /// updated, so the data is consistent even if another thread panicked elsewhere.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -79,8 +79,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// drop returns) and drops queued requests without completing them.
 #[derive(Debug)]
 pub struct ThreadPoolIo {
-    shared: Arc<Shared>,
-    workers: Vec<JoinHandle<()>>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) workers: Vec<JoinHandle<()>>,
 }
 
 impl ThreadPoolIo {
@@ -124,7 +124,7 @@ impl ThreadPoolIo {
         Ok(pool)
     }
 
-    fn deliver(&self, c: Completion) {
+    pub(super) fn deliver(&self, c: Completion) {
         let mut done = lock(&self.shared.done);
         done.push(c);
         self.shared.done_cv.notify_all();
@@ -411,7 +411,7 @@ impl Shared {
 
     /// Checks a request's freshly read target against its [`ChunkCheck`], when it has one and
     /// verification is on. Returns the check and the CRC-32 found on a mismatch.
-    fn verify(&self, r: &ReadRequest) -> Result<(), (ChunkCheck, u32)> {
+    pub(super) fn verify(&self, r: &ReadRequest) -> Result<(), (ChunkCheck, u32)> {
         let Some(check) = r.check.filter(|_| self.opts.verify_chunks) else {
             return Ok(());
         };
@@ -434,7 +434,7 @@ impl Shared {
         Err((check, found))
     }
 
-    fn succeed(&self, r: &ReadRequest, out: &mut Vec<Completion>) {
+    pub(super) fn succeed(&self, r: &ReadRequest, out: &mut Vec<Completion>) {
         add(&self.stats.bytes, r.target.len() as u64);
         out.push(Completion {
             id: r.id,
@@ -489,6 +489,6 @@ impl Shared {
 #[cfg(test)]
 mod fault_tests;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 #[cfg(test)]
 mod verify_tests;

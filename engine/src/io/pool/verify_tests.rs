@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use super::tests::{Gate, collect, pattern, slot, wait_until};
+use super::tests::{ENGINES, Engine, Gate, collect, pattern, slot, wait_until};
 use super::*;
 use crate::io::{AlignedBuf, ChunkCheck, Fault, FaultKind, FaultyReader, MemReader, PAGE};
 use crate::io::{ReadRequest, ReadTarget};
@@ -31,14 +31,18 @@ fn submit_checked(io: &dyn IoEngine, arena: &mut AlignedBuf, data: &[u8], page: 
     unsafe { io.submit(req) };
 }
 
-/// Reads page 5 alone through `faults` with `opts`.
-fn read_page5(faults: Vec<Fault>, opts: IoOptions) -> (Completion, IoStats, Vec<u8>, AlignedBuf) {
+/// Reads page 5 alone on `engine` through `faults` with `opts`.
+fn read_page5(
+    engine: Engine,
+    faults: Vec<Fault>,
+    opts: IoOptions,
+) -> (Completion, IoStats, Vec<u8>, AlignedBuf) {
     let data = pattern(16 * PAGE);
     let faulty = FaultyReader::new(Arc::new(MemReader::new(data.clone())), faults);
     let mut arena = AlignedBuf::zeroed(8 * 4 * PAGE).expect("arena");
-    let io = ThreadPoolIo::new(Arc::new(faulty), 1, opts).expect("pool");
-    submit_checked(&io, &mut arena, &data, 5);
-    let done = collect(&io, 1).pop().expect("one completion");
+    let io = engine.open(Arc::new(faulty), 1, opts);
+    submit_checked(&*io, &mut arena, &data, 5);
+    let done = collect(&*io, 1).pop().expect("one completion");
     let stats = io.stats();
     drop(io);
     (done, stats, data, arena)
@@ -46,19 +50,27 @@ fn read_page5(faults: Vec<Fault>, opts: IoOptions) -> (Completion, IoStats, Vec<
 
 #[test]
 fn a_chunk_read_wrong_once_is_read_again_and_accepted() {
-    let corrupt_once = Fault::on_call(0, FaultKind::Corrupt);
-    let (done, s, data, arena) = read_page5(vec![corrupt_once], IoOptions::default());
-    assert!(done.result.is_ok(), "{done:?}");
-    assert_eq!(done.bytes, PAGE);
-    assert_eq!(slot(&arena, 5, 1), &data[5 * PAGE..][..PAGE]);
-    assert_eq!((s.checksum_mismatches, s.retries, s.failures), (1, 1, 0));
-    assert_eq!(s.bytes, PAGE as u64);
+    for engine in ENGINES {
+        let corrupt_once = Fault::on_call(0, FaultKind::Corrupt);
+        let (done, s, data, arena) = read_page5(engine, vec![corrupt_once], IoOptions::default());
+        assert!(done.result.is_ok(), "{done:?}");
+        assert_eq!(done.bytes, PAGE);
+        assert_eq!(slot(&arena, 5, 1), &data[5 * PAGE..][..PAGE]);
+        assert_eq!((s.checksum_mismatches, s.retries, s.failures), (1, 1, 0));
+        assert_eq!(s.bytes, PAGE as u64);
+    }
 }
 
 #[test]
 fn a_chunk_read_wrong_twice_fails_with_a_checksum_error_naming_it() {
+    for engine in ENGINES {
+        a_chunk_read_wrong_twice_on(engine);
+    }
+}
+
+fn a_chunk_read_wrong_twice_on(engine: Engine) {
     let always = Fault::every(1, FaultKind::Corrupt);
-    let (done, s, data, _) = read_page5(vec![always], IoOptions::default());
+    let (done, s, data, _) = read_page5(engine, vec![always], IoOptions::default());
     let expected = crc32fast::hash(&data[5 * PAGE..][..PAGE]);
     match done.result {
         Err(Error::ChunkChecksum {
@@ -83,33 +95,44 @@ fn a_chunk_read_wrong_twice_fails_with_a_checksum_error_naming_it() {
 
 #[test]
 fn with_verification_off_a_corrupted_chunk_is_delivered_as_read() {
-    let opts = IoOptions {
-        verify_chunks: false,
-        ..IoOptions::default()
-    };
-    let (done, s, data, arena) = read_page5(vec![Fault::every(1, FaultKind::Corrupt)], opts);
-    assert!(done.result.is_ok(), "{done:?}");
-    assert_eq!(slot(&arena, 5, 1)[0], !data[5 * PAGE]);
-    assert_eq!(s.checksum_mismatches, 0);
+    for engine in ENGINES {
+        let opts = IoOptions {
+            verify_chunks: false,
+            ..IoOptions::default()
+        };
+        let faults = vec![Fault::every(1, FaultKind::Corrupt)];
+        let (done, s, data, arena) = read_page5(engine, faults, opts);
+        assert!(done.result.is_ok(), "{done:?}");
+        assert_eq!(slot(&arena, 5, 1)[0], !data[5 * PAGE]);
+        assert_eq!(s.checksum_mismatches, 0);
+    }
 }
 
 #[test]
 fn a_file_that_ends_inside_a_chunk_is_a_short_read_naming_the_offset() {
-    let data = pattern(16 * PAGE);
-    let cut = MemReader::new(data[..5 * PAGE + 100].to_vec());
-    let mut arena = AlignedBuf::zeroed(8 * 4 * PAGE).expect("arena");
-    let io = ThreadPoolIo::new(Arc::new(cut), 1, IoOptions::default()).expect("pool");
-    submit_checked(&io, &mut arena, &data, 5);
-    let done = collect(&io, 1).pop().expect("one completion");
-    match &done.result {
-        Err(Error::ShortRead { offset, len }) => assert_eq!((*offset, *len), (5 * 4096, PAGE)),
-        other => panic!("expected a short read, got {other:?}"),
+    for engine in ENGINES {
+        let data = pattern(16 * PAGE);
+        let cut = MemReader::new(data[..5 * PAGE + 100].to_vec());
+        let mut arena = AlignedBuf::zeroed(8 * 4 * PAGE).expect("arena");
+        let io = engine.open(Arc::new(cut), 1, IoOptions::default());
+        submit_checked(&*io, &mut arena, &data, 5);
+        let done = collect(&*io, 1).pop().expect("one completion");
+        match &done.result {
+            Err(Error::ShortRead { offset, len }) => assert_eq!((*offset, *len), (5 * 4096, PAGE)),
+            other => panic!("expected a short read, got {other:?}"),
+        }
+        assert_eq!(io.stats().checksum_mismatches, 0);
     }
-    assert_eq!(io.stats().checksum_mismatches, 0);
 }
 
 #[test]
 fn a_corrupted_chunk_of_a_merged_read_is_read_again_alone_and_its_neighbours_are_not() {
+    for engine in ENGINES {
+        corrupted_chunk_of_a_merged_read_on(engine);
+    }
+}
+
+fn corrupted_chunk_of_a_merged_read_on(engine: Engine) {
     let data = pattern(64 * PAGE);
     // The merged read of pages 0..10 comes back with page 0's first byte flipped.
     let faulty = FaultyReader::new(
@@ -118,16 +141,16 @@ fn a_corrupted_chunk_of_a_merged_read_is_read_again_alone_and_its_neighbours_are
     );
     let gate = Gate::new(Arc::new(faulty));
     let mut arena = AlignedBuf::zeroed(16 * 4 * PAGE).expect("arena");
-    let io = ThreadPoolIo::new(gate.clone(), 1, IoOptions::default()).expect("pool");
-    submit_checked(&io, &mut arena, &data, 12);
+    let io = engine.open(gate.clone(), 1, IoOptions::default());
+    submit_checked(&*io, &mut arena, &data, 12);
     wait_until("the first read to block", || {
         gate.started.load(Ordering::SeqCst) == 1
     });
     for p in 0..10 {
-        submit_checked(&io, &mut arena, &data, p);
+        submit_checked(&*io, &mut arena, &data, p);
     }
     gate.open();
-    let done = collect(&io, 11);
+    let done = collect(&*io, 11);
     assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
     for p in 0..10 {
         assert_eq!(slot(&arena, p, 1), &data[p * PAGE..][..PAGE], "page {p}");
