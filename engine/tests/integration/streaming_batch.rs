@@ -165,8 +165,16 @@ fn a_chunk_that_several_rows_need_is_read_once_and_computed_for_each() {
     let ids = sm.model.tokenizer.encode(TEXT).expect("encode");
     let prompt = &ids[..12];
     // On-demand reads only what the exact selection asks for, so reads depend on inputs alone.
+    // Bridged holes do not: which queued reads merge depends on when the I/O engine takes them,
+    // so reads bridge nothing here and the bytes read are the chunks read.
     let stats_of = |prompts: &[&[u32]]| -> (PipelineStats, Vec<Run>) {
-        let mut exec = executor(&sm, Mode::OnDemand, Precision::Exact);
+        let opts = ExecutorOptions {
+            io_gap_bytes: 0,
+            precision: Precision::Exact,
+            predictor: Some(PredictorKind::LowRank),
+            ..testing::exact_options(Mode::OnDemand, sm.layout.streamed_bytes())
+        };
+        let mut exec = Executor::new(&sm, opts).expect("executor");
         let runs = run_together(&sm, &mut exec, prompts, Precision::Exact);
         (exec.stats(), runs)
     };
