@@ -553,6 +553,10 @@ fn model_params(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod file_keys;
+
+#[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
