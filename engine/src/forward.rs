@@ -116,14 +116,6 @@ pub struct Session {
     kernels: &'static Kernels,
 }
 
-/// KV bytes of a session of `max_context` tokens once its cache is fully grown, in the default
-/// [`KvType`]: an upper bound of what its KV blocks can reach ([`KvCache::full_bytes`]). What a
-/// session holds now is [`Session::bytes`]; what it allocates at open, [`session_open_bytes`].
-pub fn kv_cache_bytes(w: &Weights, max_context: usize) -> usize {
-    let c = &w.config;
-    KvCache::full_bytes(KvType::default(), c.n_layers, c.kv_dim(), max_context) as usize
-}
-
 /// Tasks the neuron-major down projection is split into (one partial sum each): one per compute
 /// thread of the pool the caller runs in.
 fn down_parts() -> usize {

@@ -260,15 +260,6 @@ impl StreamingFfn {
         self.io.reset_stats();
     }
 
-    /// Runs the chunk computations with `compute` from now on (the CPU pool by default).
-    pub fn set_compute(&mut self, compute: Box<dyn ChunkCompute>) {
-        self.compute = compute;
-        #[cfg(feature = "cuda")]
-        {
-            self.gpu = None;
-        }
-    }
-
     /// Runs the chunk computations on `gpu` from now on, reading the neuron cache in place
     /// (Jetson) or through a device twin (discrete GPUs); see `backend::cuda::CudaChunks`.
     #[cfg(feature = "cuda")]

@@ -126,11 +126,6 @@ impl CudaBackend {
         self.integrated
     }
 
-    /// Free and total bytes of device memory.
-    pub fn memory_info(&self) -> Result<(usize, usize)> {
-        cust::memory::mem_get_info().map_err(cuda("reading device memory"))
-    }
-
     fn function(&self, module: &str, name: &str) -> Result<Function<'_>> {
         let (_, m) = self
             .modules

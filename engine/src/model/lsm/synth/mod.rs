@@ -117,11 +117,6 @@ impl SynthShape {
         SynthShape::TINY,
     ];
 
-    /// The shape called `name`.
-    pub fn by_name(name: &str) -> Option<SynthShape> {
-        SynthShape::ALL.into_iter().find(|s| s.name == name)
-    }
-
     /// The model config (Llama: SwiGLU, RMSNorm eps 1e-5, RoPE base 10000 on adjacent pairs as in
     /// GGUF, untied output head).
     pub fn config(&self) -> ModelConfig {
