@@ -1,6 +1,6 @@
 //! Loading a model the way the config says (`[engine]` and `[models.NAME]`: mode, sparsity,
-//! cache share): the dense forward pass, or a sparse pipeline over a `.lsm` file (README,
-//! "Sparse streaming") with its neuron cache. One [`Executor`] per loaded model holds the cache
+//! cache share): the dense forward pass, or a sparse pipeline over a `.lsm` file (see
+//! `docs/bench/sparse.md`) with its neuron cache. One [`Executor`] per loaded model holds the cache
 //! and the I/O threads and is shared by every session on the model (docs/architecture.md §3);
 //! each session keeps its own KV cache.
 //!
@@ -14,7 +14,6 @@ use leanstream::contract::LeanStreamError;
 use leanstream_engine::backend::cpu::Precision;
 #[cfg(feature = "cuda")]
 use leanstream_engine::backend::cuda::CudaModel;
-use leanstream_engine::bench::process::rss_bytes;
 use leanstream_engine::chat::ChatTemplate;
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::{Model, Session};
@@ -23,6 +22,7 @@ use leanstream_engine::kv::{KvPrefix, KvType};
 use leanstream_engine::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use leanstream_engine::model::{load_bytes_estimate, map_file};
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
+use leanstream_engine::process::rss_bytes;
 
 use crate::config::{Backend, ModelParams, Params};
 use crate::models::ModelFile;

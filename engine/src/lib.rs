@@ -11,7 +11,8 @@
 //! - [`sample`]: token sampling; [`constrain`]: grammar / JSON Schema constrained decoding;
 //! - [`io`], [`cache`], [`predict`], [`pipeline`]: the sparse streaming engine (direct reads, the
 //!   neuron cache, activation predictors, and the five pipeline modes);
-//! - [`bench`]: the mode comparison behind `leanstream bench`.
+//! - [`bench`]: the mode comparison behind `leanstream bench`;
+//! - [`process`]: what the OS knows about this process (resident memory, bytes read, a cold start).
 
 pub mod alloc;
 pub mod backend;
@@ -27,8 +28,10 @@ pub mod io;
 pub mod kv;
 pub mod model;
 pub mod pipeline;
+
 pub mod plan;
 pub mod predict;
+pub mod process;
 pub mod quant;
 pub mod reference;
 pub mod sample;

@@ -191,7 +191,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         return Err(e);
     }
     let stats = &generation.stats;
-    let peak = leanstream_engine::bench::process::peak_rss_bytes();
+    let peak = leanstream_engine::process::peak_rss_bytes();
     // Whether the constrained text is whole (`None` without a constraint).
     let complete = constraint.as_mut().map(|c| c.is_complete());
     if complete == Some(false) && !args.json {

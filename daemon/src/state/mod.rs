@@ -1250,7 +1250,7 @@ impl<M: Memory> State<M> {
         MemoryReport {
             budget_bytes: f.budget,
             used_bytes: f.used,
-            rss_bytes: leanstream_engine::bench::process::rss_bytes(),
+            rss_bytes: leanstream_engine::process::rss_bytes(),
             models: f
                 .models
                 .iter()

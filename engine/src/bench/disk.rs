@@ -65,7 +65,7 @@ pub struct DiskBandwidth {
 /// Measures the read bandwidth over `range` of the file at `path` (clipped to whole pages of the
 /// file). Errors name the file.
 pub fn probe(path: &Path, range: Range<u64>, opts: &ProbeOptions) -> Result<DiskBandwidth> {
-    super::process::drop_page_cache(path);
+    crate::process::drop_page_cache(path);
     let file = DirectFile::open(path)?;
     let start = range.start.next_multiple_of(PAGE as u64);
     let end = range.end.min(align_down(file.len(), PAGE as u64));

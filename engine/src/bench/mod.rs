@@ -11,7 +11,7 @@
 
 pub mod disk;
 pub mod disk_curve;
-pub mod process;
+
 pub mod report;
 mod run;
 

@@ -4,13 +4,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::disk::{self, DiskBandwidth, ProbeOptions};
-use super::process;
 use super::{BenchConfig, BenchRow};
 use crate::backend::select::{Backend, open_decoder};
 use crate::forward::{FfnExecutor, Model};
 use crate::generate::Decode;
 use crate::model::lsm::LsmFile;
 use crate::pipeline::{Executor, ExecutorOptions, Mode, PipelineStats, Policy, SparseModel};
+use crate::process;
 use crate::sample::argmax;
 use crate::{Error, Result};
 
