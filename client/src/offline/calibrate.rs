@@ -31,7 +31,7 @@ pub struct CalibrateArgs {
     pub eval_tokens: usize,
     /// Keep the neuron order instead of sorting neurons by activation frequency. By default hot
     /// neurons share chunks and sit first in each layer, so a cache of hot chunks is one
-    /// contiguous range and the misses read as large requests (see README "Sparse streaming").
+    /// contiguous range and the misses read as large requests (see `docs/bench/sparse.md`).
     #[arg(long = "no-reorder", action = clap::ArgAction::SetFalse)]
     pub reorder: bool,
     /// Recall of active neurons the predictor cut-offs aim for.

@@ -9,8 +9,8 @@ use leanstream_engine::quant::DType;
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
 pub enum DownType {
-    /// ~1.06 bytes per value, relative RMS error ~4e-3 (the default: see the README's
-    /// "Sparse streaming" for the measured effect on perplexity).
+    /// ~1.06 bytes per value, relative RMS error ~4e-3 (the default: see `docs/lsm.md`
+    /// and `docs/bench/sparse.md` for the measured effect on perplexity).
     #[default]
     #[value(name = "q8_0")]
     Q8_0,

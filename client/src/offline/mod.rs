@@ -13,7 +13,7 @@ use clap::ValueEnum;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::select::{self, Backend, BackendChoice};
 
-/// Activation precision of the quantised dot products (see the README's "Precision" section).
+/// Activation precision of the quantised dot products (see `docs/bench/precision.md`).
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
 pub enum PrecisionArg {
     /// f32 activations over dequantised weights: within ~1e-3 of an f32 reference.

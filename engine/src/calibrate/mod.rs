@@ -53,7 +53,8 @@ pub const BUILTIN_TEXT_SOURCE: &str = "builtin:data/text/calibration.txt";
 pub struct CalibrateOptions {
     /// Target fraction of FFN activations below threshold, per layer, in `[0, 1)`. Default 0.4:
     /// on SmolLM2 the highest level whose thresholded held-out perplexity stays within 2 % of
-    /// dense (+1.6 %; 0.5 costs +2.3 %), from `scripts/frontier` (README, "The frontier").
+    /// dense (+1.6 %; 0.5 costs +2.3 %), from `scripts/frontier` (`docs/bench/sparse.md`,
+    /// "The frontier").
     pub sparsity: f32,
     /// Most calibration tokens used. Default 4096.
     pub max_tokens: usize,

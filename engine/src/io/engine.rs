@@ -76,7 +76,8 @@ pub trait IoEngine: Send + Sync {
     fn reset_stats(&self);
 }
 
-/// Default of [`IoOptions::max_gap_bytes`] (see the README's I/O notes for the measurement).
+/// Default of [`IoOptions::max_gap_bytes`] (see the I/O notes of `docs/bench/sparse.md` for the
+/// measurement).
 pub const DEFAULT_MAX_GAP_BYTES: usize = 8 << 10;
 
 /// Options of either engine ([`super::UringIo`], [`super::ThreadPoolIo`]).

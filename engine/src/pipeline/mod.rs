@@ -1,5 +1,5 @@
-//! The sparse FFN pipelines over a `.lsm` file: the five modes of the README's "Sparse
-//! streaming" section, all over the same file, predictor and cache budget so that comparisons
+//! The sparse FFN pipelines over a `.lsm` file: the five modes of
+//! `docs/bench/sparse.md`, all over the same file, predictor and cache budget so that comparisons
 //! between them are fair.
 //!
 //! | mode | FFN weights come from | what decides the cache |

@@ -1,4 +1,4 @@
-//! The real SmolLM2-135M-Instruct GGUF (README, "Models") imports with the expected numbers.
+//! The real SmolLM2-135M-Instruct GGUF (`docs/models.md`) imports with the expected numbers.
 //!
 //! The file comes from `scripts/fetch-model` (CI always runs it); `LEANSTREAM_TEST_MODEL`
 //! overrides the default `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`.

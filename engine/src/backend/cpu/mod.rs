@@ -40,7 +40,7 @@
 //! blocks ([`QuantizedActs`]) and takes integer dot products, as llama.cpp does; its error is
 //! around 1e-2 relative per dot product. Every quantised type has an integer path: a k-quant
 //! super-block lines up with eight activation blocks of 32, each product split in two for the
-//! 16-value groups (a group's min multiplies the integer sum of its activation bytes). The README's "Precision" section says when each is appropriate.
+//! 16-value groups (a group's min multiplies the integer sum of its activation bytes). `docs/bench/precision.md` says when each is appropriate.
 //!
 //! # Allocation
 //! No kernel allocates. [`QuantizedActs`] is sized once; the mat-vecs write into caller buffers.

@@ -14,7 +14,7 @@ LIC_FILES_CHKSUM = "file://Cargo.toml;beginline=11;endline=11;md5=2507bd5f0713f0
 # holds this file: it names an earlier commit (with scripts/install, systemd/ and the `cuda`
 # feature) whose Cargo.lock leanstream-crates.inc was generated from (scripts/yocto-crates). Move
 # both together. To build
-# the checkout next to this layer instead, use externalsrc (README "Yocto").
+# the checkout next to this layer instead, use externalsrc (docs/install.md, "Yocto").
 PV = "0.1.0+git"
 SRC_URI = "git://github.com/leanstream/leanstream.git;protocol=https;branch=main"
 SRCREV = "bc5bfe2d55b1958933e64e89e8b7707060dadc95"
