@@ -66,7 +66,7 @@ impl Bus {
             },
         };
         built.map_err(|source| Error::Connect {
-            bus: self.clone(),
+            bus: self.to_string(),
             source,
         })
     }

@@ -3,7 +3,6 @@
 
 use zbus::DBusError;
 
-use crate::bus::Bus;
 use crate::contract::LeanStreamError;
 
 /// Result of a client call.
@@ -18,7 +17,8 @@ pub enum Error {
     /// The bus itself cannot be reached.
     #[error("cannot connect to the {bus} bus: {source}")]
     Connect {
-        bus: Bus,
+        /// The bus as `--bus` names it: `system`, `session` or the address.
+        bus: String,
         #[source]
         source: zbus::Error,
     },

@@ -124,7 +124,7 @@ mod tests {
         let once = os.to_string();
         let transport = zbus::Error::InputOutput(std::sync::Arc::new(os));
         let e = anyhow::Error::from(leanstream::Error::Connect {
-            bus: leanstream::Bus::Address("unix:path=/nonexistent/socket".into()),
+            bus: "unix:path=/nonexistent/socket".into(),
             source: transport,
         });
         let text = error_text(&e);

@@ -21,9 +21,10 @@ use crate::catalog::Catalog;
 use crate::config::Params;
 use crate::directory;
 use crate::memory;
+use crate::request::Request;
 use crate::scheduler::{Scheduler, SessionBudget};
 use crate::service::{Manager, Shared};
-use crate::state::{Budget, Request, State};
+use crate::state::{Budget, State};
 use crate::typed::Typed;
 
 /// Depth of the request channel between the D-Bus objects and the state owner.

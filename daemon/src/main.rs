@@ -20,6 +20,7 @@ mod gpu;
 mod loader;
 mod memory;
 mod models;
+mod request;
 mod scheduler;
 mod service;
 mod state;

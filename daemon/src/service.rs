@@ -21,8 +21,8 @@ use crate::catalog::Catalog;
 use crate::config::{KeepAlive, Params};
 use crate::memory::SessionId;
 use crate::models::{self, ModelFile};
+use crate::request::{Request, ask};
 use crate::scheduler::{GenSpec, Input};
-use crate::state::{Request, ask};
 
 /// Most stop strings per request, and the longest one in bytes.
 const MAX_STOP_STRINGS: usize = 16;

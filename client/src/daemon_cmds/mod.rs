@@ -194,7 +194,7 @@ mod tests {
         let os = std::io::Error::from_raw_os_error(libc::ENOENT);
         let once = os.to_string();
         let e = anyhow::Error::from(Error::Connect {
-            bus: bus.clone(),
+            bus: bus.to_string(),
             source: zbus::Error::InputOutput(std::sync::Arc::new(os)),
         });
         let text = describe(&e, &bus);

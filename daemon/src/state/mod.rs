@@ -1,5 +1,6 @@
 //! The one task that owns the daemon's state: models, sessions, owners, memory accounting. The
-//! D-Bus objects send it [`Request`]s over a bounded channel and await a oneshot reply; the
+//! D-Bus objects send it [`Request`]s (`crate::request`) over a bounded channel and await a
+//! oneshot reply; the
 //! daemon's own threads (loaders, the scheduler) send it [`Internal`] messages on a channel of
 //! their own, served first; the scheduler thread reports finished generations; the bus watcher
 //! reports vanished clients.
@@ -36,65 +37,10 @@ use crate::config::{KeepAlive, Params};
 use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
+use crate::request::{Reply, Request};
 use crate::scheduler::{Command, GenSpec, Input, LoadedModel, Report};
 use crate::typed::Typed;
 use holds::{Holds, Unload};
-
-type Reply<T> = oneshot::Sender<Result<T, LeanStreamError>>;
-
-/// Requests to the state owner.
-#[derive(Debug)]
-pub enum Request {
-    /// Loads a model and holds it for the caller's user: `Forever` pins it (`LoadModel`), `Idle`
-    /// gives it at least that lifetime without sessions, counted from now (`LoadModelFor`).
-    LoadModel {
-        file: ModelFile,
-        client: String,
-        keep_alive: KeepAlive,
-        reply: Reply<()>,
-    },
-    /// Gives up the caller's hold on a model, and unloads it when nobody else holds it.
-    UnloadModel {
-        name: String,
-        client: String,
-        reply: Reply<()>,
-    },
-    OpenSession {
-        file: ModelFile,
-        context: u32,
-        client: String,
-        reply: Reply<OwnedObjectPath>,
-    },
-    Memory {
-        reply: Reply<MemoryReport>,
-    },
-    Generate {
-        id: SessionId,
-        client: String,
-        input: Input,
-        spec: GenSpec,
-        reply: Reply<OwnedFd>,
-    },
-    Cancel {
-        id: SessionId,
-        client: String,
-        reply: Reply<()>,
-    },
-    Close {
-        id: SessionId,
-        client: String,
-        reply: Reply<()>,
-    },
-    Stats {
-        id: SessionId,
-        client: String,
-        reply: Reply<SessionStats>,
-    },
-    /// Cancel everything, stop the scheduler, then reply.
-    Shutdown {
-        reply: oneshot::Sender<()>,
-    },
-}
 
 /// Messages from the daemon's own threads (loaders, the scheduler, model drops) to the state
 /// owner. They travel on their own unbounded channel, served before client requests, so that a
@@ -133,19 +79,6 @@ pub enum Internal {
         name: String,
         result: Result<Arc<LoadedModel>, LoadError>,
     },
-}
-
-/// Sends a request and awaits its reply (what every D-Bus method does).
-pub async fn ask<T>(
-    tx: &mpsc::Sender<Request>,
-    make: impl FnOnce(Reply<T>) -> Request,
-) -> Result<T, LeanStreamError> {
-    let (reply, rx) = oneshot::channel();
-    tx.send(make(reply))
-        .await
-        .map_err(|_| LeanStreamError::Internal("the daemon is shutting down".into()))?;
-    rx.await
-        .map_err(|_| LeanStreamError::Internal("the daemon is shutting down".into()))?
 }
 
 /// The scheduler's way to the arbiter: a blocking round trip to the state owner.

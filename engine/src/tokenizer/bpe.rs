@@ -1,5 +1,5 @@
 //! The engine's own BPE tokenizer for GGUF vocabularies: the same ids as the `tokenizers` crate
-//! built from the same metadata ([`super::gguf::build`], kept as the test oracle), in a tenth of
+//! built from the same metadata (`super::build_oracle`, kept as the test oracle), in a tenth of
 //! its memory.
 //!
 //! # Why not the `tokenizers` crate here

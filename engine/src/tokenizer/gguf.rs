@@ -202,19 +202,9 @@ pub(super) fn check_merge<F: Fn(&str) -> bool>(i: usize, a: &str, b: &str, has: 
     Ok(())
 }
 
-/// Builds the tokenizer for `v`, and says how many BPE merges it holds (its largest table).
-pub(super) fn build(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
-    check_common(v)?;
-    match v.model.as_str() {
-        "gpt2" => build_byte_level(v),
-        "llama" => super::spm::build(v),
-        other => Err(Error::Tokenizer(format!(
-            "unsupported tokenizer model `tokenizer.ggml.model = {other}` (supported: gpt2, llama)"
-        ))),
-    }
-}
-
-fn build_byte_level(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
+/// The `tokenizers` tokenizer of a `gpt2` (byte-level BPE) vocabulary, and how many merges it
+/// holds.
+pub(super) fn build_byte_level(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
     let kind = pre_kind(v.pre.as_deref())?;
     let vocab = vocab_map(&v.tokens);
     let mut merges = Vec::with_capacity(v.merges.len());

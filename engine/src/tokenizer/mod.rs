@@ -244,7 +244,7 @@ impl Tokenizer {
     /// holds several times the memory.
     pub fn from_gguf_with_crate(v: &GgufVocab) -> Result<Tokenizer> {
         gguf::check_common(v)?;
-        let (inner, merges) = gguf::build(v)?;
+        let (inner, merges) = build_oracle(v)?;
         Tokenizer::from_crate(inner, Tokenizer::gguf_specials(v), merges)
     }
 
@@ -330,7 +330,7 @@ impl Tokenizer {
                 .map_err(|e| Error::Tokenizer(e.to_string()))
         };
         match &self.backend {
-            Backend::Gguf(bpe) => json(&gguf::build(&bpe.to_vocab(&self.specials, bpe.unk()))?.0),
+            Backend::Gguf(bpe) => json(&build_oracle(&bpe.to_vocab(&self.specials, bpe.unk()))?.0),
             Backend::Json(inner) => json(inner),
         }
     }
@@ -460,6 +460,20 @@ impl Tokenizer {
                 .decode(ids, false)
                 .map_err(|e| Error::Tokenizer(e.to_string())),
         }
+    }
+}
+
+/// Builds the `tokenizers` tokenizer of `v` (the oracle the engine's own BPE is tested against),
+/// and says how many BPE merges it holds (its largest table). `gguf` holds what every vocabulary
+/// needs and the byte-level builder; `spm` the SentencePiece one, built on `gguf`'s parts.
+fn build_oracle(v: &GgufVocab) -> Result<(tokenizers::Tokenizer, usize)> {
+    gguf::check_common(v)?;
+    match v.model.as_str() {
+        "gpt2" => gguf::build_byte_level(v),
+        "llama" => spm::build(v),
+        other => Err(Error::Tokenizer(format!(
+            "unsupported tokenizer model `tokenizer.ggml.model = {other}` (supported: gpt2, llama)"
+        ))),
     }
 }
 
