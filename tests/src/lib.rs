@@ -120,17 +120,21 @@ pub fn daemon_binary() -> PathBuf {
             matches!(status, Ok(s) if s.success()),
             "building leanstreamd failed: {status:?}"
         );
-        // <target>/<profile>/deps/<test exe> -> <target>/<profile>/leanstreamd
-        let exe = std::env::current_exe().unwrap_or_default();
-        let bin = exe
-            .parent()
-            .and_then(Path::parent)
-            .map(|d| d.join("leanstreamd"))
-            .unwrap_or_default();
+        let bin = built("leanstreamd");
         assert!(bin.is_file(), "no leanstreamd at {}", bin.display());
         bin
     })
     .clone()
+}
+
+/// Where cargo put binary `name` of this build: `<target>/<profile>/deps/<test exe>` →
+/// `<target>/<profile>/<name>`.
+fn built(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    exe.parent()
+        .and_then(Path::parent)
+        .map(|d| d.join(name))
+        .unwrap_or_default()
 }
 
 /// The `leanstream` CLI: `$LEANSTREAM_BIN` when set, else the one built beside the daemon (the
@@ -140,12 +144,7 @@ pub fn cli_binary() -> PathBuf {
         return PathBuf::from(p);
     }
     let daemon = daemon_binary();
-    let exe = std::env::current_exe().unwrap_or_default();
-    let cli = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("leanstream"))
-        .unwrap_or_default();
+    let cli = built("leanstream");
     assert!(
         cli.is_file(),
         "no leanstream CLI at {} (daemon at {}); set LEANSTREAM_BIN",

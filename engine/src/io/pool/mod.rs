@@ -130,29 +130,24 @@ impl ThreadPoolIo {
         self.shared.done_cv.notify_all();
     }
 
-    fn take_all(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>) -> usize {
-        let n = done.len();
-        out.append(done);
-        self.shared.pending.fetch_sub(n, Ordering::AcqRel);
-        n
-    }
-}
-
-impl IoEngine for ThreadPoolIo {
-    unsafe fn submit(&self, req: ReadRequest) {
+    /// Counts `req` in and queues it; true when it was queued and a reader must be woken. An
+    /// empty request completes at once, a duplicate id completes with an error. The part of
+    /// `submit` both engines share: each wakes its own reader.
+    pub(super) fn enqueue(&self, req: ReadRequest) -> bool {
         let sh = &self.shared;
         sh.pending.fetch_add(1, Ordering::AcqRel);
         add(&sh.stats.requests, 1);
         if req.target.is_empty() {
-            return self.deliver(Completion {
+            self.deliver(Completion {
                 id: req.id,
                 result: Ok(()),
                 bytes: 0,
             });
+            return false;
         }
         let pushed = lock(&sh.queue).queue.push(req);
         match pushed {
-            Ok(()) => sh.work.notify_one(),
+            Ok(()) => true,
             Err(req) => {
                 add(&sh.stats.failures, 1);
                 self.deliver(Completion {
@@ -163,7 +158,23 @@ impl IoEngine for ThreadPoolIo {
                     }),
                     bytes: 0,
                 });
+                false
             }
+        }
+    }
+
+    fn take_all(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>) -> usize {
+        let n = done.len();
+        out.append(done);
+        self.shared.pending.fetch_sub(n, Ordering::AcqRel);
+        n
+    }
+}
+
+impl IoEngine for ThreadPoolIo {
+    unsafe fn submit(&self, req: ReadRequest) {
+        if self.enqueue(req) {
+            self.shared.work.notify_one();
         }
     }
 

@@ -35,13 +35,13 @@ pub(crate) mod sim;
 #[cfg(test)]
 mod tests;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::engine::{Completion, IoEngine, IoOptions, IoStats};
-use super::pool::{QueueState, Shared, ThreadPoolIo, add, lock};
+use super::pool::{QueueState, Shared, ThreadPoolIo, lock};
 use super::queue::{ReadRequest, RequestQueue};
 use super::read::ReadAt;
 use crate::{Error, Result};
@@ -170,31 +170,9 @@ fn describe(reader: &dyn ReadAt) -> String {
 
 impl IoEngine for UringIo {
     unsafe fn submit(&self, req: ReadRequest) {
-        // As `ThreadPoolIo::submit`, with the doorbell in place of the workers' condvar.
-        let sh = &self.front.shared;
-        sh.pending.fetch_add(1, Ordering::AcqRel);
-        add(&sh.stats.requests, 1);
-        if req.target.is_empty() {
-            return self.front.deliver(Completion {
-                id: req.id,
-                result: Ok(()),
-                bytes: 0,
-            });
-        }
-        let pushed = lock(&sh.queue).queue.push(req);
-        match pushed {
-            Ok(()) => self.bell.ring(),
-            Err(req) => {
-                add(&sh.stats.failures, 1);
-                self.front.deliver(Completion {
-                    id: req.id,
-                    result: Err(Error::InvalidArgument {
-                        arg: "id",
-                        reason: format!("request id {} is already queued", req.id),
-                    }),
-                    bytes: 0,
-                });
-            }
+        // The pool's queueing, with the doorbell in place of the workers' condvar.
+        if self.front.enqueue(req) {
+            self.bell.ring();
         }
     }
 
