@@ -1,6 +1,7 @@
 //! `leanstream`: the LeanStream command line. The daemon commands (`models`, `load`, `unload`,
 //! `generate`, `chat`, `status`) talk D-Bus to `leanstreamd`; the offline tools (`run`,
-//! `perplexity`, `convert`, `calibrate`, `bench`, `synth`) run the engine in-process and need the default `offline` feature.
+//! `perplexity`, `convert`, `export-gguf`, `calibrate`, `bench`, `synth`) run the engine
+//! in-process and need the default `offline` feature.
 //!
 //! Exit status: 0 success, 1 failure, 2 bad arguments, 3 the daemon cannot be reached, 4 a
 //! constrained `generate` (`--json-schema`, `--grammar`) stopped before its grammar was complete.
@@ -49,6 +50,10 @@ enum Command {
     /// Convert a GGUF file or safetensors directory into a LeanStream `.lsm` file.
     #[cfg(feature = "offline")]
     Convert(offline::convert::ConvertArgs),
+    /// Write the weights of a `.lsm` file as a GGUF file llama.cpp loads (same weights; the FFN
+    /// down matrix is re-encoded as rows).
+    #[cfg(feature = "offline")]
+    ExportGguf(offline::export_gguf::ExportGgufArgs),
     /// Compare the pipeline modes (dense, mmap, on-demand, prefetch, leanstream) at several
     /// neuron-cache budgets.
     #[cfg(feature = "offline")]
@@ -76,6 +81,8 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => offline_exit(offline::perplexity::run(args)),
         #[cfg(feature = "offline")]
         Command::Convert(args) => offline_exit(offline::convert::run(args)),
+        #[cfg(feature = "offline")]
+        Command::ExportGguf(args) => offline_exit(offline::export_gguf::run(args)),
         #[cfg(feature = "offline")]
         Command::Bench(args) => offline_exit(offline::bench::run(args)),
         #[cfg(feature = "offline")]

@@ -13,6 +13,7 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::select::{BackendChoice, cuda_available};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::Mode;
+use leanstream_engine::plan::PlacementPolicy;
 use serde::Deserialize;
 
 use crate::arbiter::Priority;
@@ -101,6 +102,7 @@ pub struct RawModel {
     pub sparsity: Option<f64>,
     pub cache_share: Option<f64>,
     pub max_bytes: Option<ByteSize>,
+    pub placement: Option<String>,
     pub keep_alive: Option<i64>,
     pub preload: Option<bool>,
 }
@@ -167,6 +169,10 @@ pub struct ModelParams {
     /// tokenizer, tables, weight-stream ring). The memory planner keeps what fits and streams
     /// the other weights from storage every token. `None` (default): every weight is read.
     pub max_bytes: Option<u64>,
+    /// With `max_bytes`: `auto` (default) lets the plan stream FFN layers of a calibrated `.lsm`
+    /// by neuron where that reads faster than dense, its neuron cache inside `max_bytes`;
+    /// `dense` never does.
+    pub placement: PlacementPolicy,
     /// How long the model stays loaded once its last session has closed (`keep_alive`).
     /// A model pinned with `LoadModel` or `preload` stays loaded whatever this says.
     pub keep_alive: KeepAlive,
@@ -302,6 +308,7 @@ impl Params {
             priority: parse_priority("engine.priority", e.priority.as_deref())?.unwrap_or_default(),
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             max_bytes: None,
+            placement: PlacementPolicy::Auto,
             keep_alive: parse_keep_alive("engine.keep_alive", e.keep_alive)?.unwrap_or_default(),
             preload: false,
             mode_key: "engine.mode".into(),
@@ -500,6 +507,20 @@ fn model_params(
     let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
     let kv_type = parse_kv_type(&key("kv_type"), m.kv_type.as_deref())?;
     let keep_alive = parse_keep_alive(&key("keep_alive"), m.keep_alive)?;
+    let placement = m
+        .placement
+        .as_deref()
+        .map(|s| {
+            s.parse::<PlacementPolicy>()
+                .map_err(|e| bad(&key("placement"), e))
+        })
+        .transpose()?;
+    if placement.is_some() && m.max_bytes.is_none() {
+        return Err(bad(
+            &key("placement"),
+            "places a model within `max_bytes`: set `max_bytes` too",
+        ));
+    }
     let effective = mode.unwrap_or(engine.mode);
     if sparsity.is_some() && effective == Mode::Dense {
         return Err(bad(
@@ -547,6 +568,7 @@ fn model_params(
         priority: priority.unwrap_or(engine.priority),
         kv_type: kv_type.unwrap_or(engine.kv_type),
         max_bytes: m.max_bytes.map(|b| b.0),
+        placement: placement.unwrap_or(engine.placement),
         keep_alive: keep_alive.unwrap_or(engine.keep_alive),
         preload: m.preload.unwrap_or(false),
     })
@@ -635,6 +657,22 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("models.m.max_bytes"), "{e}");
+    }
+
+    #[test]
+    fn placement_is_auto_by_default_and_goes_with_max_bytes() {
+        let dir = "[models]\ndir = \"DIR\"\n[models.m]\nmax_bytes = \"60MB\"\n";
+        assert_eq!(
+            params(dir).unwrap().model("m").placement,
+            PlacementPolicy::Auto
+        );
+        let dense = params(&format!("{dir}placement = \"dense\"\n")).unwrap();
+        assert_eq!(dense.model("m").placement, PlacementPolicy::Dense);
+        let e = params(&format!("{dir}placement = \"sparse\"\n")).unwrap_err();
+        assert!(e.to_string().contains("models.m.placement"), "{e}");
+        assert!(e.to_string().contains("auto or dense"), "{e}");
+        let e = params("[models]\ndir = \"DIR\"\n[models.m]\nplacement = \"dense\"\n").unwrap_err();
+        assert!(e.to_string().contains("max_bytes"), "{e}");
     }
 
     #[test]

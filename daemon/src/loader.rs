@@ -157,6 +157,9 @@ pub struct LoadedModel {
     /// mode. Only the scheduler thread locks it, one forward pass at a time, so the lock is never
     /// contended; it is there because the model is shared with the state owner.
     pub ffn: Option<Mutex<Executor>>,
+    /// The neuron cache is part of the model's plan (`max_bytes` with layers streamed by
+    /// neuron): sized once inside `max_bytes`, not granted by the arbiter.
+    cache_in_plan: bool,
     /// The weights on the GPU (backend `cuda`): resident weights, plus the whole FFN in `dense`
     /// mode; the pipeline's chunk computations run there too.
     #[cfg(feature = "cuda")]
@@ -231,7 +234,7 @@ impl LoadedModel {
     /// returns the size it holds now; `None` for a model without a cache. Blocks while the
     /// scheduler runs a forward pass of this model (the executor is locked for one pass).
     pub fn resize_cache(&self, bytes: u64) -> Option<leanstream_engine::Result<u64>> {
-        let ffn = self.ffn.as_ref()?;
+        let ffn = self.ffn.as_ref().filter(|_| !self.cache_in_plan)?;
         let mut exec = ffn
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -240,7 +243,7 @@ impl LoadedModel {
 
     /// The neuron cache's size now; `None` for a model without a cache.
     pub fn cache_held(&self) -> Option<u64> {
-        let ffn = self.ffn.as_ref()?;
+        let ffn = self.ffn.as_ref().filter(|_| !self.cache_in_plan)?;
         let exec = ffn
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -293,27 +296,55 @@ impl LoadedModel {
         let failed = |e: leanstream_engine::Error| {
             LoadError::from_engine(&format!("loading model {}", file.name), &e)
         };
+        let cache_in_plan = p.mode == Mode::Dense && p.max_bytes.is_some();
         let (model, ffn) = if p.mode == Mode::Dense {
             let model = match p.max_bytes {
-                Some(max) => Model::load_with_max_bytes(&file.path, max).map_err(|e| match e {
-                    leanstream_engine::Error::OverBudget { .. } => LoadError::Invalid(format!(
-                        "model {}: `models.{}.max_bytes` = {max} is too small: {e}",
-                        file.name, file.name
-                    )),
-                    e => failed(e),
-                })?,
+                Some(max) => Model::load_with_max_bytes_placed(&file.path, max, p.placement)
+                    .map_err(|e| match e {
+                        leanstream_engine::Error::OverBudget { .. } => LoadError::Invalid(format!(
+                            "model {}: `models.{}.max_bytes` = {max} is too small: {e}",
+                            file.name, file.name
+                        )),
+                        e => failed(e),
+                    })?,
                 None => Model::load(&file.path).map_err(failed)?,
             };
             if let Some(plan) = model.plan() {
                 tracing::info!(
-                    "model {}: planned within {} bytes: {} resident, {} streamed per token",
+                    "model {}: planned within {} bytes: {} resident, {} read per token ({} \
+                     of {} FFN layers by neuron, neuron cache {} bytes)",
                     file.name,
                     plan.budget,
                     plan.resident_bytes,
-                    plan.streamed_bytes_per_token()
+                    plan.read_bytes_per_token(),
+                    plan.sparse_ffn.iter().filter(|s| **s).count(),
+                    plan.sparse_ffn.len(),
+                    plan.floor.cache
                 );
             }
-            (model, None)
+            let ffn = match model.plan().filter(|p| p.is_sparse()) {
+                Some(plan) => {
+                    let sm = SparseModel::over(Arc::clone(&model)).map_err(failed)?;
+                    let mut exec = Executor::new(
+                        &sm,
+                        ExecutorOptions {
+                            mode: Mode::LeanStream,
+                            policy: None,
+                            cache_bytes: plan.floor.cache as usize,
+                            io_threads: params.io_threads,
+                            io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
+                            precision: params.precision,
+                            predictor: Some(PredictorKind::DEFAULT),
+                            verify_chunks: true,
+                        },
+                    )
+                    .map_err(failed)?;
+                    exec.only_layers(&plan.sparse_ffn).map_err(failed)?;
+                    Some(exec)
+                }
+                None => None,
+            };
+            (model, ffn)
         } else {
             let sm = open_sparse(file, p)?;
             let off = p.sparsity == Some(0.0);
@@ -382,6 +413,7 @@ impl LoadedModel {
             model,
             template,
             ffn,
+            cache_in_plan,
             #[cfg(feature = "cuda")]
             gpu,
             constraint_vocab: OnceLock::new(),

@@ -46,11 +46,20 @@ pub struct Model {
     pub chat_template: Option<String>,
     /// The plan and weight stream of a model loaded under a budget.
     pub planned: Option<Planned>,
+    /// The largest piece the forward pass computes a layer in ([`crate::plan::pieces`]);
+    /// [`crate::plan::PIECE_BYTES`] unless loaded with another size.
+    pub piece_bytes: usize,
 }
 
 impl Model {
     /// Loads a GGUF file, a safetensors directory or a `.lsm` file.
     pub fn load(path: &Path) -> Result<Arc<Model>> {
+        Model::load_in_pieces(path, crate::plan::PIECE_BYTES)
+    }
+
+    /// [`Model::load`], the layers computed in pieces of at most `piece_bytes` (what a planned
+    /// model of the same size of piece computes, bit for bit).
+    pub fn load_in_pieces(path: &Path, piece_bytes: usize) -> Result<Arc<Model>> {
         let (weights, tokenizer, chat_template) = crate::model::load(path)?;
         Ok(Arc::new(Model {
             path: path.to_path_buf(),
@@ -58,6 +67,7 @@ impl Model {
             tokenizer,
             chat_template,
             planned: None,
+            piece_bytes,
         }))
     }
 }
@@ -79,6 +89,12 @@ pub trait FfnExecutor {
     /// Called before layer `l`'s attention with the residual stream `x` (`d_model` values): the
     /// earliest view of the layer's input, for speculation about this and later layers.
     fn begin_layer(&mut self, _l: usize, _x: &[f32]) {}
+
+    /// Whether this executor computes layer `l`'s FFN; the forward pass computes the others
+    /// dense, from the model's own weights (a plan streams only some layers by neuron).
+    fn covers(&self, _l: usize) -> bool {
+        true
+    }
 
     /// Writes the FFN output of layer `l` for the normalised input `xn` into `out` (both
     /// `d_model` values); the caller adds it to the residual stream.

@@ -154,6 +154,17 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         "(recall and fetch fraction on held-out text at cut-offs set for recall {:.2} on the calibration text)",
         opts.target_recall
     );
+    for (kind, cost) in &report.quality_cost {
+        let (lo, hi) = cost
+            .iter()
+            .fold((f32::INFINITY, 0f32), |(a, b), &c| (a.min(c), b.max(c)));
+        let mean = cost.iter().sum::<f32>() / cost.len().max(1) as f32;
+        println!(
+            "{kind}: per-layer quality cost (relative RMS error of the FFN output run sparsely, \
+             held-out) mean {mean:.3}, {lo:.3} to {hi:.3}; per-neuron selection probabilities \
+             stored (`select.*`)"
+        );
+    }
     if let Some(r) = &report.reorder {
         println!(
             "reordering by frequency: chunks holding an active neuron per token-layer {:.2} -> {:.2} of {}",

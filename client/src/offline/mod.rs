@@ -4,6 +4,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod capped;
 pub mod convert;
+pub mod export_gguf;
 pub mod perplexity;
 pub mod plan;
 pub mod run;

@@ -49,7 +49,14 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let text = String::from_utf8(text)
         .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", args.file.display()))?;
     let model = match args.memory_budget {
-        Some(b) => Model::load_within(&args.model, b, args.window.max(2), args.kv_type)?,
+        // Dense: the held-out score is of the file's weights, whatever a sparse plan would skip.
+        Some(b) => Model::load_within_placed(
+            &args.model,
+            b,
+            args.window.max(2),
+            args.kv_type,
+            leanstream_engine::plan::PlacementPolicy::Dense,
+        )?,
         None => Model::load(&args.model)?,
     };
     let mut ids = model.tokenizer.encode(&text)?;

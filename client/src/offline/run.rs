@@ -9,9 +9,14 @@ use clap::Args;
 use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
+use std::sync::Arc;
+
 use leanstream_engine::forward::Model;
-use leanstream_engine::generate::generate_constrained;
+use leanstream_engine::generate::{Decode, generate_constrained};
 use leanstream_engine::kv::KvType;
+use leanstream_engine::model::lsm::PredictorKind;
+use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel, WithFfn};
+use leanstream_engine::plan::PlacementPolicy;
 use leanstream_engine::sample::SamplerConfig;
 use leanstream_engine::tokenizer::TextStream;
 use serde_json::json;
@@ -68,6 +73,10 @@ pub struct RunArgs {
     /// streams the other weights from storage every token (`leanstream plan` shows the plan).
     #[arg(long, value_parser = super::parse_size)]
     pub memory_budget: Option<u64>,
+    /// With `--memory-budget`: `auto` lets the plan stream FFN layers of a calibrated `.lsm` by
+    /// neuron where that reads faster than dense; `dense` never does.
+    #[arg(long, default_value_t = PlacementPolicy::Auto, requires = "memory_budget")]
+    pub placement: PlacementPolicy,
     /// Constrain the output to the JSON Schema in FILE: the text is one line of JSON that
     /// validates against it (unless `--max-tokens` cuts it short, which is reported).
     #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
@@ -115,7 +124,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model = match args.memory_budget {
         Some(budget) => {
             let context = args.context.unwrap_or(super::PLANNED_CONTEXT);
-            let m = Model::load_within(&args.model, budget, context, args.kv_type)?;
+            let m = Model::load_within_placed(
+                &args.model,
+                budget,
+                context,
+                args.kv_type,
+                args.placement,
+            )?;
             if let Some(plan) = m.plan().filter(|_| !args.json) {
                 eprint!("{}", plan.table());
             }
@@ -139,14 +154,43 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         default.min(model.weights.config.context_length)
     });
     let backend = super::resolve_backend(args.backend)?;
-    let mut session = open_decoder(
+    // A plan that streams FFN layers by neuron runs them through its sparse executor.
+    let mut exec = match model.plan().filter(|p| p.is_sparse()) {
+        Some(plan) => {
+            let sm = SparseModel::over(Arc::clone(&model))?;
+            let opts = ExecutorOptions {
+                mode: Mode::LeanStream,
+                policy: None,
+                cache_bytes: plan.floor.cache as usize,
+                io_threads: 4,
+                io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
+                precision: args.precision.into(),
+                predictor: Some(PredictorKind::DEFAULT),
+                verify_chunks: true,
+            };
+            let mut exec = Executor::new(&sm, opts)?;
+            exec.only_layers(&plan.sparse_ffn)?;
+            Some(exec)
+        }
+        None => None,
+    };
+    let decoder = open_decoder(
         backend,
         &model,
         context,
         args.precision.into(),
         args.kv_type,
-        None,
+        exec.as_mut(),
     )?;
+    let (mut sparse, mut dense) = match exec {
+        Some(exec) => (Some(WithFfn { decoder, exec }), None),
+        None => (None, Some(decoder)),
+    };
+    let session: &mut dyn Decode = match (&mut sparse, &mut dense) {
+        (Some(s), _) => s,
+        (None, Some(d)) => d.as_mut(),
+        (None, None) => unreachable!("one of the two was built"),
+    };
     let sampler = SamplerConfig {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -164,7 +208,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
     let generation = generate_constrained(
-        session.as_mut(),
+        &mut *session,
         &prompt_ids,
         args.max_tokens,
         &sampler,
@@ -234,15 +278,28 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "floor": p.floor,
                 "resident_weight_bytes": p.resident_bytes,
                 "streamed_bytes_per_token": p.streamed_bytes_per_token(),
-                "streamed_layers": p.units.iter().filter(|u| matches!(u.kind, leanstream_engine::plan::UnitKind::Layer(_))).count(),
+                "streamed_layers": p.layers.iter().filter(|l| **l == leanstream_engine::plan::Placement::Streamed).count(),
                 "head": format!("{:?}", p.head).to_lowercase(),
                 "head_resident_rows": p.head_resident_rows,
+                "sparse_layers": p.sparse_ffn.iter().filter(|s| **s).count(),
+                "sparse_bytes_per_token": p.sparse_bytes_per_token,
+                "cache_bytes": p.floor.cache,
             })),
             "stream": model.stream_stats().map(|s| json!({
                 "bytes_read": s.bytes_read,
                 "wait_s": s.wait_ns as f64 * 1e-9,
                 "wasted_units": s.wasted_units,
             })),
+            "sparse": sparse.as_ref().map(|s| {
+                let p = s.exec.stats();
+                json!({
+                    "bytes_read": p.bytes_read,
+                    "cache_bytes": s.exec.cache_bytes(),
+                    "hits": p.hits,
+                    "misses": p.misses,
+                    "tokens": p.tokens,
+                })
+            }),
         });
         writeln!(stdout, "{out}")?;
     } else {

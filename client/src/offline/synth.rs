@@ -9,8 +9,15 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use leanstream_engine::calibrate::{self, ActivityOptions};
 use leanstream_engine::model::lsm::synth::{self, SynthOptions, SynthShape, SynthTokenizer};
 use leanstream_engine::quant::DType;
+
+/// Leading positions the measurement leaves out: a context's first positions are the warm-up of
+/// the planted token correlation (see `synth::carry`), so leave them out with or without it.
+const MEASURE_SKIP: usize = 16;
+/// Tokens measured by default when `--token-correlation` is set.
+const DEFAULT_MEASURE_TOKENS: usize = 96;
 
 /// The tokenizer used for the `llama-7b` shape when `--tokenizer-from` is not given.
 const DEFAULT_DONOR: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -68,9 +75,22 @@ pub struct SynthArgs {
     /// Hot/cold skew of the neurons' activation frequencies (probit spread; 0 = uniform).
     #[arg(long, default_value_t = 1.5)]
     pub skew: f32,
-    /// Gate noise the predictor cannot see, relative to what it can.
+    /// Gate noise the predictor cannot see, relative to what it can: it sets how many neurons the
+    /// predictor must fetch for its target recall. ~1.5 at --sparsity 0.5 and ~0.6 at 0.8 give a
+    /// realistic over-fetch of about 1.5x the active neurons (docs/cli.md).
     #[arg(long, default_value_t = 0.25)]
     pub noise: f32,
+    /// Target carry-over of active neurons from one token to the next (e.g. 0.8; real models
+    /// show 0.8-0.85), planted through attention as an AR(1) residual stream; 0 keeps tokens
+    /// independent (and the file as without the option).
+    #[arg(long, default_value_t = 0.0)]
+    pub token_correlation: f32,
+    /// Tokens of the built-in held-out text to run through the written model (dense forward
+    /// pass) to measure carry-over, sparsity and recall; 0 skips it. Default: 96 with
+    /// --token-correlation, else 0. It loads the whole model into memory (llama-7b: 8.5 GB peak
+    /// RSS, about a minute for 64 tokens).
+    #[arg(long)]
+    pub measure_tokens: Option<usize>,
     /// Rank of the planted gate subspace (= the low-rank predictor's rank); default 48, 16 for
     /// the tiny shape.
     #[arg(long)]
@@ -153,6 +173,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     opts.sparsity = args.sparsity;
     opts.skew = args.skew;
     opts.noise = args.noise;
+    opts.token_correlation = args.token_correlation;
     opts.rank = args.rank.unwrap_or(opts.rank);
     opts.chunk_neurons = args.chunk_neurons.unwrap_or(opts.chunk_neurons);
     opts.weight_dtype = match args.weight_type {
@@ -174,17 +195,43 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     );
     bar.set_message("writing synthetic weights");
     let t = Instant::now();
-    let report = synth::synthesize(dst, &opts, &tokenizer, &mut |done, total| {
+    let mut report = synth::synthesize(dst, &opts, &tokenizer, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;
     bar.finish_and_clear();
+    let written = t.elapsed();
+    let measure_tokens = args
+        .measure_tokens
+        .unwrap_or(if opts.token_correlation > 0.0 {
+            DEFAULT_MEASURE_TOKENS
+        } else {
+            0
+        });
+    if measure_tokens > 0 {
+        let m = Instant::now();
+        eprintln!(
+            "measuring: dense forward pass over {measure_tokens} tokens of the held-out text..."
+        );
+        let activity = calibrate::measure_activity(
+            dst,
+            calibrate::HELDOUT_TEXT,
+            &ActivityOptions {
+                max_tokens: measure_tokens,
+                skip: MEASURE_SKIP.min(measure_tokens.saturating_sub(2)),
+                ..ActivityOptions::default()
+            },
+        )
+        .with_context(|| format!("measuring {}", dst.display()))?;
+        eprintln!("measured in {:.0} s", m.elapsed().as_secs_f64());
+        report.measured = Some(activity.to_synth());
+    }
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
         "wrote {} in {:.0} s: {:.1} MiB (resident {:.1} MiB, streamed {:.1} MiB in {} B chunks, \
          calibration {:.1} MiB)",
         dst.display(),
-        t.elapsed().as_secs_f64(),
+        written.as_secs_f64(),
         mib(report.file_bytes),
         mib(report.resident_bytes),
         mib(report.streamed_bytes),
@@ -199,7 +246,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     println!(
         "planted: sparsity {:.2} (simulated {:.3}), skew {}, gate noise {} (effective with Q4 \
          rounding {:.3}); low-rank predictor rank {}: simulated recall {:.3} at fetch fraction \
-         {:.3}; expected carry-over of active neurons between tokens {:.2}",
+         {:.3}",
         opts.sparsity,
         report.sim_sparsity,
         opts.skew,
@@ -208,7 +255,44 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         opts.rank,
         report.sim_recall,
         report.sim_fetch_fraction,
-        report.carry_over
     );
+    if report.correlated_layers > 0 {
+        println!(
+            "carry-over of active neurons between consecutive tokens, expected: {:.3} planted \
+             (AR(1) residual stream, lag-1 correlation {:.3}; the attention of the first {} \
+             layer(s) transforms {} directions each), {:.3} for independent tokens",
+            report.planned_carry_over,
+            report.token_correlation,
+            report.correlated_layers,
+            report.directions_per_layer,
+            report.carry_over
+        );
+    } else {
+        println!(
+            "carry-over of active neurons between consecutive tokens, expected: {:.3} \
+             (independent tokens)",
+            report.carry_over
+        );
+    }
+    if let Some(m) = &report.measured {
+        let by_layer: Vec<String> = m
+            .carry_over_by_layer
+            .iter()
+            .map(|c| format!("{c:.2}"))
+            .collect();
+        println!(
+            "measured (dense forward pass, {} tokens, the first {} left out): carry-over {:.3} \
+             (independent tokens with these frequencies: {:.3}; by layer {}), sparsity {:.3}, \
+             low-rank predictor recall {:.3} at fetch fraction {:.3}",
+            m.tokens,
+            m.skipped,
+            m.carry_over,
+            m.independent_carry_over,
+            by_layer.join(" "),
+            m.sparsity,
+            m.recall,
+            m.fetch_fraction
+        );
+    }
     Ok(())
 }

@@ -282,6 +282,88 @@ fn convert_then_run_the_lsm() {
 }
 
 #[test]
+fn export_gguf_then_run_both_and_bad_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let lsm = dir.path().join("synth.lsm");
+    let out = leanstream(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--chunk-neurons",
+        "1",
+        "--down-type",
+        "q5_0",
+        "-o",
+        lsm.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gguf = dir.path().join("synth.gguf");
+    let out = leanstream(&[
+        "export-gguf",
+        lsm.to_str().unwrap(),
+        "-o",
+        gguf.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("architecture llama, vocabulary 128 tokens"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ffn_down re-encoded as q5_0 rows: lossless"),
+        "{stdout}"
+    );
+    let run = |m: &Path| {
+        ids(&ok_json(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "abc def",
+            "--max-tokens",
+            "6",
+            "--json",
+        ])["ids"])
+    };
+    assert_eq!(run(&lsm), run(&gguf));
+
+    let missing = dir.path().join("missing.lsm");
+    let e = err_text(&[
+        "export-gguf",
+        missing.to_str().unwrap(),
+        "-o",
+        dir.path().join("x.gguf").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("missing.lsm") && e.contains("No such file"),
+        "{e}"
+    );
+    let e = err_text(&[
+        "export-gguf",
+        gguf.to_str().unwrap(),
+        "-o",
+        dir.path().join("x.gguf").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("synth.gguf") && e.contains("not a LeanStream .lsm file"),
+        "{e}"
+    );
+    assert!(!dir.path().join("x.gguf").exists());
+    assert!(!dir.path().join("x.gguf.partial").exists());
+    let e = err_text(&["export-gguf", lsm.to_str().unwrap()]);
+    assert!(e.contains("--output"), "{e}");
+}
+
+#[test]
 fn a_saved_tokenizer_serves_synth_without_its_donor() {
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("tokenizer.json");

@@ -6,7 +6,7 @@ use std::time::Instant;
 use nalgebra::DMatrix;
 
 use crate::backend::cpu::{Kernels, Precision, QuantizedActs};
-use crate::model::{FfnActivation, LayerWeights};
+use crate::model::{Down, FfnActivation, LayerWeights};
 use crate::predict::Predictor;
 use crate::sparsity::{RecallCounter, cutoff_for_recall};
 
@@ -129,7 +129,8 @@ pub(crate) fn cutoff(p: &dyn Predictor, l: usize, r: Recorded<'_>, thr: f32, rec
 }
 
 /// Recall and fetch fraction of predictor `p` on layer `l` at `cutoff`, and the time its scoring
-/// took in total.
+/// took in total. `selected` becomes the `(tokens, n_ff)` mask of the neurons whose score is
+/// `>= cutoff` (what [`RecallCounter`] counts as fetched).
 pub(crate) fn measure(
     p: &dyn Predictor,
     l: usize,
@@ -137,15 +138,74 @@ pub(crate) fn measure(
     thr: f32,
     cutoff: f32,
     counter: &mut RecallCounter,
+    selected: &mut Vec<bool>,
 ) -> std::time::Duration {
     let mut scratch = p.scratch();
     let mut scores = vec![0f32; r.n_ff];
     let mut spent = std::time::Duration::ZERO;
+    selected.clear();
     for (x, hr) in r.tokens() {
         let t0 = Instant::now();
         p.score(l, x, &mut scratch, &mut scores);
         spent += t0.elapsed();
         counter.add(&scores, cutoff, |i| crate::sparsity::is_active(hr[i], thr));
+        selected.extend(scores.iter().map(|&s| s >= cutoff));
     }
     spent
+}
+
+/// Per neuron: the share of the tokens of a `(tokens, n_ff)` mask in which it is set.
+pub(crate) fn selection_probabilities(selected: &[bool], n_ff: usize) -> Vec<f32> {
+    let mut count = vec![0u32; n_ff];
+    for row in selected.chunks_exact(n_ff) {
+        for (c, &s) in count.iter_mut().zip(row) {
+            *c += u32::from(s);
+        }
+    }
+    let n = (selected.len() / n_ff).max(1) as f32;
+    count.iter().map(|&c| c as f32 / n).collect()
+}
+
+/// The quality-cost proxy of running layer `layer` sparsely: the relative RMS error, pooled over
+/// the tokens of `h` (`(tokens, n_ff)`), of the FFN output `Σ_i ĥ_i·down_i` against the dense
+/// `Σ_i h_i·down_i`, where `ĥ_i = h_i` when the neuron is active at `thr` and set in `selected`
+/// (the predictor picked it), else 0. Neuron granularity: the pipeline computes whole chunks, so
+/// it may compute (and keep) a few active neurons the predictor did not pick.
+pub(crate) fn output_error(layer: &LayerWeights, h: &[f32], thr: f32, selected: &[bool]) -> f64 {
+    let n_ff = layer.ffn.gate.rows;
+    let d = layer.ffn.gate.cols;
+    let k = Kernels::best();
+    let parts = rayon::current_num_threads().max(1);
+    let mut partials = vec![0f32; parts * d];
+    let mut acts = QuantizedActs::new(0);
+    let (mut out, mut missing) = (vec![0f32; d], vec![0f32; n_ff]);
+    let (mut err2, mut norm2) = (0f64, 0f64);
+    let mut down = |h: &[f32], out: &mut [f32]| match &layer.ffn.down {
+        Down::Rows(m) => k.matvec(m, h, out, Precision::Exact, &mut acts),
+        Down::Neurons(m) => crate::backend::cpu::down_neurons(k, m, h, &mut partials, out),
+    };
+    for (hr, sr) in h.chunks_exact(n_ff).zip(selected.chunks_exact(n_ff)) {
+        down(hr, &mut out);
+        norm2 += out
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>();
+        for ((m, &v), &s) in missing.iter_mut().zip(hr).zip(sr) {
+            *m = if s && crate::sparsity::is_active(v, thr) {
+                0.0
+            } else {
+                v
+            };
+        }
+        down(&missing, &mut out);
+        err2 += out
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>();
+    }
+    if norm2 > 0.0 {
+        (err2 / norm2).sqrt()
+    } else {
+        0.0
+    }
 }

@@ -14,10 +14,16 @@
 //!    score cut-off is set to reach [`CalibrateOptions::target_recall`] of the active neurons.
 //! 4. On held-out text (never the calibration text) the same dense pass measures perplexity of the
 //!    dense model and of the thresholded one ([`perplexity`]), and each predictor's recall,
-//!    fetch fraction and scoring time at its cut-offs.
+//!    fetch fraction and scoring time at its cut-offs; per neuron, the probability `q_i` that the
+//!    predictor selects it (tensor `select.{l}`, mean = the layer's fetch fraction); per layer, a
+//!    quality cost of running it sparsely (tensor `quality_cost`). The cost is a proxy, not a
+//!    held-out NLL change (that would need one perplexity pass per layer): the relative RMS error
+//!    of the layer's FFN output with the thresholds and the predictor applied at neuron
+//!    granularity, against the dense FFN output, over the recorded held-out tokens.
 //! 5. Optionally neurons are reordered by activation frequency ([`reorder`]), and everything is
 //!    written into a new file ([`crate::model::lsm::write_calibrated`]).
 
+mod activity;
 mod ffn;
 mod layer;
 pub mod reorder;
@@ -29,6 +35,7 @@ use std::time::Duration;
 
 use nalgebra::DMatrix;
 
+pub use activity::{ActivityOptions, ActivityReport, LayerActivity, measure_activity};
 pub use ffn::{Collector, DenseFfn, Thresholded};
 pub use windows::Windows;
 
@@ -136,6 +143,9 @@ pub struct CalibrateReport {
     pub dense: Perplexity,
     pub thresholded: Perplexity,
     pub predictors: Vec<PredictorMeta>,
+    /// Per predictor, per layer: the quality cost written as `quality_cost` (relative RMS error
+    /// of the FFN output run sparsely, on held-out tokens; [`Calibration::QUALITY_COST_FFN_ERROR`]).
+    pub quality_cost: Vec<(PredictorKind, Vec<f32>)>,
     pub reorder: Option<ReorderReport>,
     pub file_bytes: u64,
 }
@@ -201,6 +211,7 @@ pub fn calibrate(
         tokenizer: tok.clone(),
         chat_template: None,
         planned: None,
+        piece_bytes: crate::plan::PIECE_BYTES,
     });
     let w = &model.weights;
     let c = &w.config;
@@ -227,6 +238,8 @@ pub fn calibrate(
     let mut counters = vec![RecallCounter::default(); kinds.len()];
     let mut spent = vec![Duration::ZERO; kinds.len()];
     let (mut touched_before, mut touched_after) = (0u64, 0u64);
+    let mut selected = Vec::new();
+    let mut quality = vec![Vec::with_capacity(c.n_layers); kinds.len()];
     let k = file.header.ffn.chunk_neurons;
     for (l, lw) in w.layers.iter().enumerate() {
         let xs = calib.layer_f32(l);
@@ -267,7 +280,22 @@ pub fn calibrate(
             n_ff,
         };
         for (j, p) in predictors.iter().enumerate() {
-            spent[j] += layer::measure(*p, l, rec, thr, cutoffs[j][l], &mut counters[j]);
+            spent[j] += layer::measure(
+                *p,
+                l,
+                rec,
+                thr,
+                cutoffs[j][l],
+                &mut counters[j],
+                &mut selected,
+            );
+            // q_i in the order of the neurons here; a reordering permutes the tensor with them.
+            let q = layer::selection_probabilities(&selected, n_ff);
+            tensors.push(
+                CalTensor::f32(kinds[j].selection_tensor(l), Some(l), vec![n_ff], &q)
+                    .neuron_major(),
+            );
+            quality[j].push(layer::output_error(lw, &h_eval, thr, &selected) as f32);
         }
         let order = reorder::by_frequency(std::slice::from_ref(&stats.freq));
         touched_before += reorder::chunks_touched(&h_eval, n_ff, thr, k, None);
@@ -323,6 +351,14 @@ pub fn calibrate(
         .collect();
     tensors.extend(lowrank.tensors());
     tensors.extend(hashing.tensors());
+    for (kind, q) in kinds.iter().zip(&quality) {
+        tensors.push(CalTensor::f32(
+            kind.quality_cost_tensor(),
+            None,
+            vec![c.n_layers],
+            q,
+        ));
+    }
     let reorder_perm = opts.reorder.then(|| reorder::by_frequency(&freqs));
     let reorder_report = opts.reorder.then(|| ReorderReport {
         chunks_per_layer: n_ff.div_ceil(k),
@@ -341,6 +377,7 @@ pub fn calibrate(
         predictors: predictors.clone(),
         heldout_ppl_dense: dense.ppl() as f32,
         heldout_ppl_thresholded: thresholded.ppl() as f32,
+        quality_cost_source: Calibration::QUALITY_COST_FFN_ERROR.into(),
     };
     let file_bytes = write_calibrated(&file, dst, calibration, tensors, reorder_perm.as_deref())?;
     progress(Stage::Write, 1, 1);
@@ -350,6 +387,7 @@ pub fn calibrate(
         dense,
         thresholded,
         predictors,
+        quality_cost: kinds.iter().copied().zip(quality).collect(),
         reorder: reorder_report,
         file_bytes,
     })

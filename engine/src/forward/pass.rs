@@ -7,12 +7,16 @@
 //! the same numbers for a row whatever else is in its batch, so a conversation's logits are the
 //! same bit for bit whether it runs alone or beside others.
 
+use std::ops::Range;
+
+use super::planned::{LayerPieces, PieceView};
 use super::scratch::Work;
 use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
 use crate::Result;
-use crate::backend::cpu::{self, Disjoint, Kernels, Precision, TOKEN_GROUP};
+use crate::backend::cpu::{self, Disjoint, Kernels, Precision, Prepared, TOKEN_GROUP};
 use crate::kv::KvCache;
-use crate::model::{Down, LayerWeights};
+use crate::model::QRows;
+use crate::plan::Part;
 
 /// Asked before each layer of a pass: true to give the pass up there.
 pub(super) type Stop<'s> = &'s (dyn Fn() -> bool + Sync);
@@ -70,19 +74,27 @@ impl Pass<'_> {
     /// Every layer, dense, unless `stop` says so before one: then false, with the layers
     /// before it run (see [`super::forward_each_unless`]).
     pub fn layers(&mut self, stop: Stop<'_>) -> Result<bool> {
+        if self.model.plan().is_some_and(|p| p.is_sparse()) {
+            return Err(crate::Error::InvalidArgument {
+                arg: "placement",
+                reason: "this model's plan streams FFN layers by neuron: run it with the sparse                          executor of its plan (SparseModel::over), or load it with placement dense"
+                    .into(),
+            });
+        }
         for l in 0..self.model.weights.layers.len() {
             if stop() {
                 return Ok(false);
             }
-            let layer = self.model.layer(l)?;
-            self.attention(l, &layer);
-            self.ffn(&layer);
+            let mut pieces = self.model.layer_pieces(l);
+            self.attention(l, &mut pieces)?;
+            self.ffn(l, &mut pieces)?;
         }
         Ok(true)
     }
 
     /// Every layer, the FFN of the batch's rows computed by `exec` (the sparse pipelines), all
-    /// rows in one call; `stop` as in [`Pass::layers`].
+    /// rows in one call, where it covers the layer (dense from the model's weights elsewhere);
+    /// `stop` as in [`Pass::layers`].
     pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor, stop: Stop<'_>) -> Result<bool> {
         let c = &self.model.weights.config;
         let (d, eps, n) = (c.d_model, c.rms_eps, self.rows.len());
@@ -90,17 +102,23 @@ impl Pass<'_> {
             if stop() {
                 return Ok(false);
             }
-            let layer = self.model.layer(l)?;
+            // The sparse pipelines read the FFN themselves: only its norms come from `layer`.
+            let layer = &self.model.weights.layers[l];
             for x in self.work.x[..n * d].chunks_exact(d) {
                 exec.begin_layer(l, x);
             }
-            self.attention(l, &layer);
+            let mut pieces = self.model.layer_pieces(l);
+            self.attention(l, &mut pieces)?;
+            if !exec.covers(l) {
+                self.ffn(l, &mut pieces)?;
+                continue;
+            }
             let s = &mut *self.work;
             let (x, xn, out) = (&mut s.x[..n * d], &mut s.xn[..n * d], &mut s.proj[..n * d]);
             for (xn, x) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
             }
-            exec.ffn_rows(l, &layer, xn, out)?;
+            exec.ffn_rows(l, layer, xn, out)?;
             norm_rows(&layer.post_ffn_norm, out, d, eps);
             cpu::add_inplace(x, out);
         }
@@ -142,8 +160,9 @@ impl Pass<'_> {
 
     /// The attention block over the batch: each row attends over its own seat's positions
     /// `0..=pos`, after writing its key and value there.
-    fn attention(&mut self, l: usize, layer: &LayerWeights) {
+    fn attention(&mut self, l: usize, pieces: &mut LayerPieces<'_>) -> Result<()> {
         let c = &self.model.weights.config;
+        let layer = &self.model.weights.layers[l];
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let (n, p) = (self.rows.len(), self.precision);
         let (k, s) = (self.kernels, &mut *self.work);
@@ -151,15 +170,22 @@ impl Pass<'_> {
             cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
         }
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
-        k.matmats(
-            x,
-            n,
-            [
-                (&layer.wq, &mut s.q[..n * q_dim]),
-                (&layer.wk, &mut s.k[..n * kv_dim]),
-                (&layer.wv, &mut s.v[..n * kv_dim]),
-            ],
+        let (q, kk, v) = (
+            &mut s.q[..n * q_dim],
+            &mut s.k[..n * kv_dim],
+            &mut s.v[..n * kv_dim],
         );
+        pieces.each(&[Part::Q, Part::K, Part::V], &mut |views| {
+            let mut jobs = Vec::new();
+            for (part, out, width) in [
+                (Part::Q, &mut *q, q_dim),
+                (Part::K, &mut *kk, kv_dim),
+                (Part::V, &mut *v, kv_dim),
+            ] {
+                jobs.extend(pieces_into(views, part, out, width));
+            }
+            k.matmat_jobs(x, n, jobs);
+        })?;
         for (t, row) in self.rows.iter().enumerate() {
             let rope = s.rope_range(l, t);
             let (q, kk, v) = (
@@ -207,61 +233,132 @@ impl Pass<'_> {
         });
 
         let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
-        k.matmats(x, n, [(&layer.wo, &mut s.proj[..n * d])]);
+        let proj = &mut s.proj[..n * d];
+        pieces.each(&[Part::O], &mut |views| {
+            k.matmat_jobs(x, n, pieces_into(views, Part::O, &mut *proj, d));
+        })?;
         norm_rows(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+        Ok(())
     }
 
-    /// The FFN block over the batch.
-    fn ffn(&mut self, layer: &LayerWeights) {
+    /// The FFN block over the batch, piece by piece: gate and up rows of a range of neurons
+    /// (the activation applied in place), then the down rows; or, for a `.lsm` layer, each range
+    /// of neurons' gate, up and down together, the ranges' down sums added in order.
+    fn ffn(&mut self, l: usize, pieces: &mut LayerPieces<'_>) -> Result<()> {
         let c = &self.model.weights.config;
+        let layer = &self.model.weights.layers[l];
         let (d, n_ff, p, n) = (c.d_model, c.n_ff, self.precision, self.rows.len());
         let (k, s) = (self.kernels, &mut *self.work);
         for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
             cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
         }
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
-        // Gate and up rows of the same neurons in one task (for every row of the batch), the
-        // activation applied in place.
-        let (gate, up) = (Disjoint::new(&mut s.gate), Disjoint::new(&mut s.up));
+        let (gate, up) = (&mut s.gate[..n * n_ff], &mut s.up[..n * n_ff]);
+        let (proj, partials) = (&mut s.proj[..n * d], &mut s.partials);
         let activation = c.activation;
-        let chunk = n_ff
-            .div_ceil(4 * rayon::current_num_threads())
-            .max(cpu::FUSED_ROWS);
-        cpu::for_each_chunk(n_ff, chunk, |r| {
-            for t0 in (0..n).step_by(TOKEN_GROUP) {
-                let t1 = (t0 + TOKEN_GROUP).min(n);
-                let mut g: [&mut [f32]; TOKEN_GROUP] = Default::default();
-                let mut u: [&mut [f32]; TOKEN_GROUP] = Default::default();
-                for (t, (g, u)) in (t0..t1).zip(g.iter_mut().zip(&mut u)) {
-                    let o = t * n_ff + r.start..t * n_ff + r.end;
-                    // SAFETY: each neuron range is handed out once, so these sub-slices of
-                    // distinct tasks do not overlap.
-                    (*g, *u) = unsafe { (gate.range(o.clone()), up.range(o)) };
-                }
-                let (g, u) = (&mut g[..t1 - t0], &mut u[..t1 - t0]);
-                let xt = x.tokens(t0..t1, n);
-                k.rows_dot_each(&layer.ffn.gate, r.start, xt, g);
-                k.rows_dot_each(&layer.ffn.up, r.start, xt, u);
-                for (g, u) in g.iter_mut().zip(u.iter()) {
-                    activation.gate_inplace(g, u);
+        let mut first = true;
+        pieces.each(&[Part::GateUp, Part::Neurons], &mut |views| {
+            for v in views {
+                gate_up(k, x, n, n_ff, v, &mut *gate, &mut *up, activation);
+                if v.part == Part::Neurons {
+                    for t in 0..n {
+                        let act = &gate[t * n_ff..(t + 1) * n_ff][v.rows.clone()];
+                        let out = &mut proj[t * d..(t + 1) * d];
+                        if first {
+                            cpu::down_neurons(k, &v.m[2], act, partials, out);
+                        } else {
+                            let mut sum = vec![0.0; d];
+                            cpu::down_neurons(k, &v.m[2], act, partials, &mut sum);
+                            cpu::add_inplace(out, &sum);
+                        }
+                    }
+                    first = false;
                 }
             }
-        });
-        match &layer.ffn.down {
-            Down::Rows(m) => {
-                let x = k.prepare(&s.gate[..n * n_ff], DOWN_PRECISION, &mut s.acts);
-                k.matmats(x, n, [(m, &mut s.proj[..n * d])]);
-            }
-            Down::Neurons(m) => {
-                for t in 0..n {
-                    let act = &s.gate[t * n_ff..(t + 1) * n_ff];
-                    let proj = &mut s.proj[t * d..(t + 1) * d];
-                    cpu::down_neurons(k, m, act, &mut s.partials, proj);
-                }
-            }
-        }
+        })?;
+        let acts = k.prepare(&s.gate[..n * n_ff], DOWN_PRECISION, &mut s.acts);
+        let proj = &mut s.proj[..n * d];
+        pieces.each(&[Part::Down], &mut |views| {
+            k.matmat_jobs(acts, n, pieces_into(views, Part::Down, &mut *proj, d));
+        })?;
         norm_rows(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
         cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+        Ok(())
     }
+}
+
+/// The matrix-times-batch jobs of the `part` pieces among `views`: each piece's rows of every
+/// token's output in `out` (`width` values per token).
+fn pieces_into<'v, 'o>(
+    views: &'v [PieceView],
+    part: Part,
+    out: &'o mut [f32],
+    width: usize,
+) -> Vec<(&'v QRows, Vec<&'o mut [f32]>)> {
+    let mine: Vec<&PieceView> = views.iter().filter(|v| v.part == part).collect();
+    let rows: Vec<Range<usize>> = mine.iter().map(|v| v.rows.clone()).collect();
+    mine.iter()
+        .map(|v| &v.m[0])
+        .zip(carve(out, width, &rows))
+        .collect()
+}
+
+/// Per range of `rows` (ascending, disjoint), per token, its slice of `out` (tokens of `width`
+/// values one after another).
+fn carve<'o>(out: &'o mut [f32], width: usize, rows: &[Range<usize>]) -> Vec<Vec<&'o mut [f32]>> {
+    let mut per: Vec<Vec<&mut [f32]>> = rows.iter().map(|_| Vec::new()).collect();
+    for token in out.chunks_exact_mut(width) {
+        let (mut rest, mut at) = (token, 0);
+        for (r, slices) in rows.iter().zip(&mut per) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+            let (mine, tail) = tail.split_at_mut(r.len());
+            slices.push(mine);
+            (rest, at) = (tail, r.end);
+        }
+    }
+    per
+}
+
+/// The gate and up rows of piece `v`'s neurons for every token of the batch, the activation
+/// applied in place into `gate` (`n_ff` values per token); one task per range of neurons.
+#[allow(clippy::too_many_arguments)]
+fn gate_up(
+    k: &Kernels,
+    x: Prepared<'_>,
+    n: usize,
+    n_ff: usize,
+    v: &PieceView,
+    gate: &mut [f32],
+    up: &mut [f32],
+    activation: crate::model::FfnActivation,
+) {
+    let (gm, um) = (&v.m[0], &v.m[1]);
+    let (gate, up) = (Disjoint::new(gate), Disjoint::new(up));
+    let chunk = v
+        .rows
+        .len()
+        .div_ceil(4 * rayon::current_num_threads())
+        .max(cpu::FUSED_ROWS);
+    cpu::for_each_chunk(v.rows.len(), chunk, |r| {
+        for t0 in (0..n).step_by(TOKEN_GROUP) {
+            let t1 = (t0 + TOKEN_GROUP).min(n);
+            let mut g: [&mut [f32]; TOKEN_GROUP] = Default::default();
+            let mut u: [&mut [f32]; TOKEN_GROUP] = Default::default();
+            for (t, (g, u)) in (t0..t1).zip(g.iter_mut().zip(&mut u)) {
+                let at = t * n_ff + v.rows.start;
+                let o = at + r.start..at + r.end;
+                // SAFETY: each neuron range is handed out once, so these sub-slices of
+                // distinct tasks do not overlap.
+                (*g, *u) = unsafe { (gate.range(o.clone()), up.range(o)) };
+            }
+            let (g, u) = (&mut g[..t1 - t0], &mut u[..t1 - t0]);
+            let xt = x.tokens(t0..t1, n);
+            k.rows_dot_each(gm, r.start, xt, g);
+            k.rows_dot_each(um, r.start, xt, u);
+            for (g, u) in g.iter_mut().zip(u.iter()) {
+                activation.gate_inplace(g, u);
+            }
+        }
+    });
 }

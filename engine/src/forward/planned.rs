@@ -1,18 +1,21 @@
 //! A model loaded under a memory budget ([`Model::load_within`]): the weights its [`Plan`]
 //! keeps are read into memory, the others stream through a [`WeightStream`], and the forward
-//! pass asks for each layer, the head and the embedding rows here instead of reading
+//! pass asks here for each layer's pieces, the head and the embedding rows instead of reading
 //! `weights` directly. The results are the dense path's, bit for bit: the same kernels see the
-//! same bytes, only from a slot instead of the image.
+//! same bytes in the same pieces, only from a slot instead of the image.
 
-use std::ops::Deref;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use super::Model;
 use crate::io::DirectFile;
 use crate::kv::KvType;
-use crate::model::{LayerWeights, QRows};
-use crate::plan::{Floor, Placement, Plan, UnitKind};
+use crate::model::QRows;
+use crate::plan::{
+    Floor, Part, Piece, Placement, PlacementPolicy, Plan, PlanOptions, UnitKind, piece_matrices,
+    pieces,
+};
 use crate::stream::{Lease, StreamStats, WeightStream};
 use crate::{Error, Result};
 
@@ -21,29 +24,103 @@ use crate::{Error, Result};
 pub struct Planned {
     pub plan: Plan,
     pub stream: WeightStream,
-    /// Per layer: its unit in the stream, if it streams.
-    unit_of_layer: Vec<Option<usize>>,
+    /// Per layer: its units in the stream (empty when the layer is resident).
+    units_of_layer: Vec<Range<usize>>,
     /// The head's units, in row order.
     head_units: Vec<usize>,
 }
 
-/// A layer to compute: borrowed from the resident weights, or a view of a stream slot that
-/// goes back to the reader when dropped (the view first, then the lease).
-pub(crate) enum LayerRef<'a> {
-    Resident(&'a LayerWeights),
-    Streamed {
-        layer: Box<LayerWeights>,
-        _lease: Lease<'a>,
-    },
+/// Rows `rows` of the matrices of a part of a layer ([`Part::matrices`]' order), ready to compute.
+pub(crate) struct PieceView {
+    pub part: Part,
+    pub rows: Range<usize>,
+    pub m: Vec<QRows>,
 }
 
-impl Deref for LayerRef<'_> {
-    type Target = LayerWeights;
-    fn deref(&self) -> &LayerWeights {
-        match self {
-            LayerRef::Resident(l) => l,
-            LayerRef::Streamed { layer, .. } => layer,
+/// A layer being computed piece by piece ([`Model::layer_pieces`]): from the resident weights,
+/// or from the stream's slots, holding the lease of the unit in use until a piece of the next
+/// one is asked for (views first, then the lease, are dropped).
+pub(crate) struct LayerPieces<'a> {
+    model: &'a Model,
+    l: usize,
+    /// The layer's units in the stream; empty when it is resident.
+    units: Range<usize>,
+    held: Option<(usize, Lease<'a>)>,
+}
+
+impl LayerPieces<'_> {
+    /// Calls `f` with the pieces of `parts`, in compute order: at once when the layer is
+    /// resident, else once per streamed unit holding some of them, after waiting for its read.
+    /// Parts must be asked for in compute order: a unit is not read twice in one token.
+    pub fn each(&mut self, parts: &[Part], f: &mut dyn FnMut(&[PieceView])) -> Result<()> {
+        let layer = &self.model.weights.layers[self.l];
+        let wanted = |p: &Piece| parts.contains(&p.part);
+        if self.units.is_empty() {
+            let views: Vec<PieceView> = pieces(layer, self.model.piece_bytes)
+                .into_iter()
+                .filter(wanted)
+                .map(|p| self.view(&p, &mut |m| Some(m.clone())))
+                .collect::<Result<_>>()?;
+            f(&views);
+            return Ok(());
         }
+        let Some(p) = &self.model.planned else {
+            unreachable!("only a planned model has streamed units")
+        };
+        for unit in self.units.clone() {
+            let u = &p.stream.units()[unit];
+            let UnitKind::Layer { pieces, .. } = &u.kind else {
+                unreachable!("a layer's units hold its pieces")
+            };
+            if !pieces.iter().any(wanted) {
+                continue;
+            }
+            if self.held.as_ref().map(|h| h.0) != Some(unit) {
+                self.held = None;
+                self.held = Some((unit, p.stream.acquire(unit)?));
+            }
+            let lease = &self.held.as_ref().expect("just acquired").1;
+            let views: Vec<PieceView> = pieces
+                .iter()
+                .filter(|p| wanted(p))
+                .map(|piece| {
+                    self.view(piece, &mut |m: &QRows| {
+                        let r = m.byte_range();
+                        let at = u.slot_offset(&r)?;
+                        Some(m.rebased(lease.bytes().slice(at, r.len())?))
+                    })
+                })
+                .collect::<Result<_>>()?;
+            f(&views);
+        }
+        Ok(())
+    }
+
+    /// `piece`'s matrices, each placed by `place` (`None`: its bytes are not where the plan put
+    /// them, an error).
+    fn view(
+        &self,
+        piece: &Piece,
+        place: &mut dyn FnMut(&QRows) -> Option<QRows>,
+    ) -> Result<PieceView> {
+        let layer = &self.model.weights.layers[self.l];
+        let missing = || Error::InvalidArgument {
+            arg: "plan",
+            reason: format!(
+                "layer {}'s piece {piece:?} is not where the plan put it",
+                self.l
+            ),
+        };
+        let m = piece_matrices(layer, piece)
+            .ok_or_else(missing)?
+            .iter()
+            .map(|m| place(m).ok_or_else(missing))
+            .collect::<Result<_>>()?;
+        Ok(PieceView {
+            part: piece.part,
+            rows: piece.rows.clone(),
+            m,
+        })
     }
 }
 
@@ -58,15 +135,68 @@ impl Model {
     /// Loads `path` (GGUF or `.lsm`) to run in a process budget of `budget` bytes with one
     /// session of `context` tokens: the [`Plan`] decides what is read now and what streams.
     /// Everything resident when it fits (then this is [`Model::load`] with a plan attached).
+    /// FFN layers of a calibrated `.lsm` may stream by neuron (`placement` auto): such a model
+    /// runs with the sparse executor of its plan ([`crate::pipeline::SparseModel::over`]).
     pub fn load_within(path: &Path, budget: u64, context: usize, kv: KvType) -> Result<Arc<Model>> {
-        Model::load_planned(path, budget, &|m| Floor::of(m, context, kv))
+        Model::load_within_placed(path, budget, context, kv, PlacementPolicy::Auto)
+    }
+
+    /// [`Model::load_within`] with the placement policy given.
+    pub fn load_within_placed(
+        path: &Path,
+        budget: u64,
+        context: usize,
+        kv: KvType,
+        placement: PlacementPolicy,
+    ) -> Result<Arc<Model>> {
+        let opts = PlanOptions::for_file(path, placement)?;
+        Model::load_within_options(path, budget, context, kv, &opts)
+    }
+
+    /// [`Model::load_within`] planned with `opts` (tests and benches that set the disk's speeds
+    /// or the size of pieces).
+    pub fn load_within_options(
+        path: &Path,
+        budget: u64,
+        context: usize,
+        kv: KvType,
+        opts: &PlanOptions,
+    ) -> Result<Arc<Model>> {
+        Model::load_planned(path, budget, &|m| Floor::of(m, context, kv), opts)
+    }
+
+    /// [`Model::load_within`] with the layers cut into pieces of at most `piece_bytes`.
+    pub fn load_within_in_pieces(
+        path: &Path,
+        budget: u64,
+        context: usize,
+        kv: KvType,
+        piece_bytes: usize,
+    ) -> Result<Arc<Model>> {
+        let opts = PlanOptions {
+            piece_bytes,
+            sparse: None,
+        };
+        Model::load_within_options(path, budget, context, kv, &opts)
     }
 
     /// Loads `path` so that the model itself holds at most `budget` bytes (weights, tokenizer,
     /// tables, ring), its sessions being accounted elsewhere: what the daemon's `max_bytes`
     /// asks for.
     pub fn load_with_max_bytes(path: &Path, budget: u64) -> Result<Arc<Model>> {
-        Model::load_planned(path, budget, &Floor::model_only)
+        Model::load_with_max_bytes_placed(path, budget, PlacementPolicy::Dense)
+    }
+
+    /// [`Model::load_with_max_bytes`] with the placement policy given: under `auto` the plan's
+    /// neuron cache and predictor count in `budget` too (the caller builds the sparse executor
+    /// with [`crate::pipeline::SparseModel::over`] and the plan's cache size).
+    pub fn load_with_max_bytes_placed(
+        path: &Path,
+        budget: u64,
+        placement: PlacementPolicy,
+    ) -> Result<Arc<Model>> {
+        let opts = PlanOptions::for_file(path, placement)?;
+        Model::load_planned(path, budget, &Floor::model_only, &opts)
     }
 
     /// Loads `path` under the plan for `budget` with the non-weight part `floor` says.
@@ -74,7 +204,9 @@ impl Model {
         path: &Path,
         budget: u64,
         floor: &dyn Fn(&Model) -> Floor,
+        opts: &PlanOptions,
     ) -> Result<Arc<Model>> {
+        let piece_bytes = opts.piece_bytes;
         let (mapped, tokenizer, chat_template) = crate::model::load_mapped(path)?;
         let probe = Model {
             path: path.to_path_buf(),
@@ -82,8 +214,9 @@ impl Model {
             tokenizer,
             chat_template,
             planned: None,
+            piece_bytes,
         };
-        let plan = Plan::new(&probe.weights, budget, floor(&probe))?;
+        let plan = Plan::with_options(&probe.weights, budget, floor(&probe), opts)?;
         // The map's tokenizer parse left many small allocations free: hand them back before
         // the image is read, or the load peaks above the plan by what they held (Gemma 3's
         // 262k-token vocabulary: ~30 MiB).
@@ -91,12 +224,15 @@ impl Model {
         let image = crate::model::read_ranges(path, &plan.resident_ranges)?;
         let weights = probe.weights.rebased_onto(&image)?;
         let max_row = weights.token_embd.row_bytes();
-        let stream = WeightStream::start(&plan, Arc::new(DirectFile::open(path)?), max_row)?;
-        let mut unit_of_layer = vec![None; plan.layers.len()];
+        let stream = WeightStream::start(&plan, DirectFile::open(path)?, max_row)?;
+        let mut units_of_layer = vec![0..0; plan.layers.len()];
         let mut head_units = Vec::new();
         for (i, u) in plan.units.iter().enumerate() {
             match u.kind {
-                UnitKind::Layer(l) => unit_of_layer[l] = Some(i),
+                UnitKind::Layer { layer, .. } if units_of_layer[layer].is_empty() => {
+                    units_of_layer[layer] = i..i + 1
+                }
+                UnitKind::Layer { layer, .. } => units_of_layer[layer].end = i + 1,
                 UnitKind::Head { .. } => head_units.push(i),
             }
         }
@@ -110,9 +246,10 @@ impl Model {
             planned: Some(Planned {
                 plan,
                 stream,
-                unit_of_layer,
+                units_of_layer,
                 head_units,
             }),
+            piece_bytes,
         }))
     }
 
@@ -126,42 +263,18 @@ impl Model {
         self.planned.as_ref().map(|p| p.stream.stats())
     }
 
-    /// Layer `l`'s weights, waiting for the stream if the layer is not resident.
-    pub(crate) fn layer(&self, l: usize) -> Result<LayerRef<'_>> {
-        let resident = &self.weights.layers[l];
-        let Some((p, unit)) = self
+    /// Layer `l`'s matrices, piece by piece ([`LayerPieces::each`]).
+    pub(crate) fn layer_pieces(&self, l: usize) -> LayerPieces<'_> {
+        let units = self
             .planned
             .as_ref()
-            .and_then(|p| p.unit_of_layer[l].map(|u| (p, u)))
-        else {
-            return Ok(LayerRef::Resident(resident));
-        };
-        let lease = p.stream.acquire(unit)?;
-        let u = &p.stream.units()[unit];
-        let mut missing = None;
-        let layer = resident.map(&mut |q: &QRows| {
-            let r = q.byte_range();
-            match u
-                .slot_offset(&r)
-                .and_then(|at| lease.bytes().slice(at, r.len()))
-            {
-                Some(data) => q.rebased(data),
-                None => {
-                    missing = Some(r);
-                    q.clone()
-                }
-            }
-        });
-        if let Some(r) = missing {
-            return Err(Error::InvalidArgument {
-                arg: "plan",
-                reason: format!("layer {l}'s bytes {r:?} are not in its stream unit"),
-            });
+            .map_or(0..0, |p| p.units_of_layer[l].clone());
+        LayerPieces {
+            model: self,
+            l,
+            units,
+            held: None,
         }
-        Ok(LayerRef::Streamed {
-            layer: Box::new(layer),
-            _lease: lease,
-        })
     }
 
     /// Writes the embedding of `token` into `out`, reading its row from storage when the

@@ -140,6 +140,45 @@ impl QRows {
         self.data.offset()..self.data.offset() + self.data.len()
     }
 
+    /// Whether rows are stored in groups with other bytes between them (a `.lsm` layer's
+    /// bundles), rather than one after another.
+    pub fn is_grouped(&self) -> bool {
+        self.group_stride != 0
+    }
+
+    /// Rows per group ([`QRows::is_grouped`]); all rows when they are not grouped.
+    pub fn group_rows(&self) -> usize {
+        self.group_rows
+    }
+
+    /// Rows `range` as a matrix of their own over the same backing, its bytes a slice of these
+    /// (a piece the weight stream reads on its own). `None` if the range is empty or runs past
+    /// the last row, or if the rows are grouped and `range` does not start a group.
+    pub fn sub_rows(&self, range: std::ops::Range<usize>) -> Option<QRows> {
+        let n = range.end.checked_sub(range.start)?;
+        if n == 0 || range.end > self.rows {
+            return None;
+        }
+        if self.group_stride != 0 && !range.start.is_multiple_of(self.group_rows) {
+            return None;
+        }
+        let (rb, at) = (self.row_bytes(), self.offset(range.start));
+        let mut q = QRows {
+            rows: n,
+            first: 0,
+            data: self.data.clone(),
+            group_rows: if self.group_stride == 0 {
+                n
+            } else {
+                self.group_rows
+            },
+            ..self.clone()
+        };
+        let len = q.offset(n - 1) + rb;
+        q.data = self.data.slice(at, len)?;
+        Some(q)
+    }
+
     /// The same matrix over other bytes of the same length: a copy of these bytes elsewhere
     /// (a file image instead of a map, a slot of the weight stream).
     pub fn rebased(&self, data: TensorBytes) -> QRows {

@@ -11,6 +11,7 @@ use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
 use crate::forward::FfnExecutor;
+use crate::generate::Decode;
 use crate::io::{DirectFile, IoOptions, open_engine};
 use crate::model::lsm::PredictorKind;
 use crate::model::{LayerWeights, Residency};
@@ -121,6 +122,21 @@ impl Executor {
         }
     }
 
+    /// Computes only the FFN layers `mask` marks (those a plan streams by neuron); the forward
+    /// pass computes the others dense. `mmap` mode covers every layer and refuses a mask.
+    pub fn only_layers(&mut self, mask: &[bool]) -> Result<()> {
+        match self {
+            Executor::Mmap(_) => Err(Error::InvalidArgument {
+                arg: "mode",
+                reason: "mmap mode reads every FFN layer through the map".into(),
+            }),
+            Executor::Streaming(e) => {
+                e.only_layers(mask);
+                Ok(())
+            }
+        }
+    }
+
     /// Turns recall measurement (dense activations of every neuron) on or off.
     pub fn measure_recall(&mut self, on: bool) {
         match self {
@@ -173,6 +189,13 @@ impl Executor {
 }
 
 impl FfnExecutor for Executor {
+    fn covers(&self, l: usize) -> bool {
+        match self {
+            Executor::Mmap(_) => true,
+            Executor::Streaming(e) => e.covers(l),
+        }
+    }
+
     fn begin_layer(&mut self, l: usize, x: &[f32]) {
         match self {
             Executor::Mmap(e) => e.begin_layer(l, x),
@@ -198,5 +221,62 @@ impl FfnExecutor for Executor {
             Executor::Mmap(e) => e.ffn_rows(l, layer, xn, out),
             Executor::Streaming(e) => e.ffn_rows(l, layer, xn, out),
         }
+    }
+}
+
+/// A decoder whose every pass computes the FFN through its own sparse executor: a session of a
+/// model whose plan streams FFN layers by neuron, driven like any dense session
+/// ([`crate::generate::generate`] and the rest take it as a [`Decode`]).
+#[derive(Debug)]
+pub struct WithFfn {
+    pub decoder: Box<dyn Decode>,
+    pub exec: Executor,
+}
+
+impl Decode for WithFfn {
+    fn forward(&mut self, token: u32) -> Result<&mut [f32]> {
+        self.decoder.forward_with(token, &mut self.exec)
+    }
+    /// One token at a time: a pass of several rows through a cache-backed executor is the
+    /// daemon's batching, not this loop's.
+    fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
+        let (last, rest) = tokens.split_last().ok_or_else(|| Error::InvalidArgument {
+            arg: "tokens",
+            reason: "an empty batch".into(),
+        })?;
+        for &t in rest {
+            self.decoder.forward_with(t, &mut self.exec)?;
+        }
+        self.decoder.forward_with(*last, &mut self.exec)
+    }
+    fn position(&self) -> usize {
+        self.decoder.position()
+    }
+    fn max_context(&self) -> usize {
+        self.decoder.max_context()
+    }
+    fn vocab_size(&self) -> usize {
+        self.decoder.vocab_size()
+    }
+    fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
+        self.decoder.forward_with(token, exec)
+    }
+    fn reset(&mut self) {
+        self.decoder.reset()
+    }
+    fn bytes(&self) -> u64 {
+        self.decoder.bytes()
+    }
+    fn kv_growth_bytes(&self, tokens: usize) -> u64 {
+        self.decoder.kv_growth_bytes(tokens)
+    }
+    fn grow_kv(&mut self, tokens: usize) -> Result<()> {
+        self.decoder.grow_kv(tokens)
+    }
+    fn release_kv(&mut self) {
+        self.decoder.release_kv()
+    }
+    fn device_bytes(&self) -> Option<u64> {
+        self.decoder.device_bytes()
     }
 }

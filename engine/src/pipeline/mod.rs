@@ -26,7 +26,7 @@ pub mod streaming;
 use std::fmt;
 use std::str::FromStr;
 
-pub use executor::{Executor, ExecutorOptions};
+pub use executor::{Executor, ExecutorOptions, WithFfn};
 pub use select::{AllNeurons, NeuronScorer, Selector};
 pub use sparse_model::SparseModel;
 pub use stats::PipelineStats;

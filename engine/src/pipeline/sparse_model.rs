@@ -66,7 +66,35 @@ impl SparseModel {
     ) -> Result<Arc<SparseModel>> {
         let f = LsmFile::open_with(path, residency)?;
         let tokenizer = f.tokenizer()?;
-        let weights = f.weights(path, tokenizer.clone())?;
+        let model = Arc::new(Model {
+            path: path.to_path_buf(),
+            weights: f.weights(path, tokenizer.clone())?,
+            tokenizer,
+            chat_template: f.header.chat_template.clone(),
+            planned: None,
+            piece_bytes: crate::plan::PIECE_BYTES,
+        });
+        Self::with_model(model, &f, require_calibration, residency, f.data.clone())
+    }
+
+    /// The sparse side of `model`, a `.lsm` loaded under a plan that streams some FFN layers by
+    /// neuron ([`Model::load_within_placed`]): its header and calibration are read again from a
+    /// map of the file (clean page-cache pages), its weights are the model's, not loaded twice.
+    pub fn over(model: Arc<Model>) -> Result<Arc<SparseModel>> {
+        let f = LsmFile::open_with(&model.path, Residency::Mapped)?;
+        let none = TensorBytes::from_vec(Vec::new());
+        Self::with_model(model, &f, true, Residency::OwnedExceptStreamed, none)
+    }
+
+    fn with_model(
+        model: Arc<Model>,
+        f: &LsmFile,
+        require_calibration: bool,
+        residency: Residency,
+        file: TensorBytes,
+    ) -> Result<Arc<SparseModel>> {
+        let path = model.path.clone();
+        let path = path.as_path();
         let layout = ChunkLayout::from_header(path, &f.header)?;
         let calibration = match f.calibration(path) {
             Ok(c) => Some(c),
@@ -86,15 +114,9 @@ impl SparseModel {
             ),
         };
         Ok(Arc::new(SparseModel {
-            model: Arc::new(Model {
-                path: path.to_path_buf(),
-                weights,
-                tokenizer,
-                chat_template: f.header.chat_template.clone(),
-                planned: None,
-            }),
+            model,
             layout,
-            file: f.data.clone(),
+            file,
             residency,
             path: path.to_path_buf(),
             thresholds,

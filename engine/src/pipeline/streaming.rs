@@ -178,6 +178,8 @@ pub struct StreamingFfn {
     blocks: Blocks,           // the fixed-order sums of this layer
     done: Vec<Completion>,    // completions being processed
     failed: Option<(ChunkId, Error)>,
+    /// (n_layers) the layers whose FFN this pipeline computes; the others are dense.
+    layers: Vec<bool>,
 }
 
 impl std::fmt::Debug for StreamingFfn {
@@ -236,8 +238,16 @@ impl StreamingFfn {
             blocks: Blocks::new(l),
             done: Vec::with_capacity(l.total_chunks()),
             failed: None,
+            layers: vec![true; l.n_layers],
             sm,
         })
+    }
+
+    /// Computes (and speculates about) only the layers `mask` marks: the FFN layers a plan
+    /// streams by neuron, the others being computed dense by the forward pass.
+    pub fn only_layers(&mut self, mask: &[bool]) {
+        assert_eq!(mask.len(), self.layers.len(), "one flag per layer");
+        self.layers = mask.to_vec();
     }
 
     /// Counters since the last reset (cache and I/O counters folded in).
@@ -385,6 +395,9 @@ impl StreamingFfn {
         let n_layers = self.sm.layout.n_layers;
         let token = self.stats.tokens as u32;
         for target in l..(l + self.policy.lookahead).min(n_layers) {
+            if !self.layers[target] {
+                continue;
+            }
             if !self.policy.refine_load && self.speculated[target] == token {
                 continue; // one-shot: each layer is predicted once per token
             }
@@ -514,6 +527,10 @@ impl StreamingFfn {
 }
 
 impl FfnExecutor for StreamingFfn {
+    fn covers(&self, l: usize) -> bool {
+        self.layers[l]
+    }
+
     fn begin_layer(&mut self, l: usize, x: &[f32]) {
         if l == 0 {
             self.stats.tokens += 1;

@@ -72,6 +72,19 @@ fn calibrate_the_real_model() {
             meta.heldout_fetch_fraction < meta.heldout_recall - 0.02,
             "{meta:?}"
         );
+        // Per-neuron selection probabilities average to the fetch fraction; per-layer quality
+        // costs (relative error of the sparse FFN output) are small but not zero.
+        let q = (0..30)
+            .map(|l| cal.selection_for(kind, l).expect("selection"))
+            .collect::<Vec<_>>();
+        let mean = q.iter().flatten().map(|&p| f64::from(p)).sum::<f64>() / (30.0 * 1536.0);
+        assert!(
+            (mean - f64::from(meta.heldout_fetch_fraction)).abs() < 1e-4,
+            "{mean} vs {meta:?}"
+        );
+        let cost = cal.quality_cost_for(kind).expect("quality cost");
+        eprintln!("{kind}: quality cost per layer {cost:?}");
+        assert!(cost.iter().all(|c| (0.0..0.5).contains(c)), "{cost:?}");
     }
 
     // The reordered file is the same model: same greedy tokens on the dense path.

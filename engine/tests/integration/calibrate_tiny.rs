@@ -210,3 +210,121 @@ fn missing_or_damaged_calibration_is_a_clear_error() {
         .expect_err("sparsity 1.5");
     assert!(e.to_string().contains("sparsity"), "{e}");
 }
+
+#[test]
+fn selection_probabilities_and_quality_costs_are_stored_and_follow_the_reordering() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = tiny_lsm(dir.path());
+    let mut stored = Vec::new();
+    for reorder in [false, true] {
+        let dst = dir.path().join(format!("cal-{reorder}.lsm"));
+        let report =
+            calibrate::calibrate(&src, &dst, TEXT, TEXT, &options(reorder), &mut |_, _, _| {})
+                .expect("calibrate");
+        let f = LsmFile::open(&dst).expect("open");
+        let cal = f.calibration(&dst).expect("calibration");
+        for (j, kind) in PredictorKind::ALL.into_iter().enumerate() {
+            let q: Vec<Vec<f32>> = (0..2)
+                .map(|l| cal.selection_for(kind, l).expect("selection"))
+                .collect();
+            assert!(q.iter().flatten().all(|p| (0.0..=1.0).contains(p)), "{q:?}");
+            // q_i and the fetch fraction count the same held-out scores: the mean of q over a
+            // layer's neurons is the layer's fetch fraction, and over the layers the file's.
+            let mean = q.iter().flatten().map(|&p| f64::from(p)).sum::<f64>() / 256.0;
+            let fetch = f64::from(report.predictors[j].heldout_fetch_fraction);
+            assert!(
+                (mean - fetch).abs() < 1e-4,
+                "{kind}: mean q {mean} vs fetch {fetch}"
+            );
+            let cost = cal.quality_cost_for(kind).expect("quality cost");
+            assert_eq!(cost, report.quality_cost[j].1);
+            assert_eq!(cost.len(), 2);
+            assert!(
+                cost.iter().all(|c| c.is_finite() && *c >= 0.0 && *c < 1.0),
+                "{cost:?}"
+            );
+        }
+        assert_eq!(
+            cal.selection_probabilities().expect("default"),
+            (0..2)
+                .map(|l| cal.selection_for(PredictorKind::DEFAULT, l).expect("q"))
+                .collect::<Vec<_>>()
+        );
+        assert!(cal.meta.quality_cost_source.starts_with("heldout"));
+        stored.push((
+            cal.selection_probabilities().expect("q"),
+            cal.frequencies().expect("freq"),
+            f.header.ffn.permutation.clone(),
+        ));
+    }
+    // Reordering permutes q with the neurons: new neuron k of layer l is old neuron perm[l][k].
+    let ((q, freq, _), (q2, freq2, perm)) = (&stored[0], &stored[1]);
+    assert_eq!(perm.len(), 2);
+    for l in 0..2 {
+        assert_ne!(
+            perm[l],
+            (0..128).collect::<Vec<u32>>(),
+            "a real permutation"
+        );
+        for (k, &old) in perm[l].iter().enumerate() {
+            assert_eq!(freq2[l][k], freq[l][old as usize], "layer {l} neuron {k}");
+            assert!(
+                (q2[l][k] - q[l][old as usize]).abs() < 1e-6,
+                "layer {l} neuron {k}: {} vs {}",
+                q2[l][k],
+                q[l][old as usize]
+            );
+        }
+    }
+}
+
+#[test]
+fn a_file_calibrated_before_selection_statistics_still_loads() {
+    use leanstream_engine::model::lsm::{CalTensor, write_calibrated};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = tiny_lsm(dir.path());
+    let new = dir.path().join("new.lsm");
+    calibrate::calibrate(&src, &new, TEXT, TEXT, &options(false), &mut |_, _, _| {})
+        .expect("calibrate");
+    // Rewrite it without the selection and quality-cost tensors, as older versions wrote it.
+    let f = LsmFile::open(&new).expect("open");
+    let cal = f.calibration(&new).expect("calibration");
+    let tensors: Vec<CalTensor> = cal
+        .meta
+        .tensors
+        .iter()
+        .filter(|e| !e.name.starts_with("select.") && !e.name.starts_with("quality_cost"))
+        .map(|e| CalTensor {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            layer: e.layer,
+            neuron_major: e.neuron_major,
+            bytes: cal
+                .tensor(&e.name, e.dtype, &e.shape)
+                .expect("tensor")
+                .data
+                .as_slice()
+                .to_vec(),
+        })
+        .collect();
+    let mut meta = cal.meta.clone();
+    meta.quality_cost_source = String::new();
+    let old = dir.path().join("old.lsm");
+    write_calibrated(&f, &old, meta, tensors, None).expect("rewrite");
+
+    let f = LsmFile::open(&old).expect("open");
+    let cal = f.calibration(&old).expect("older calibration still loads");
+    assert_eq!(cal.frequencies().expect("freq").len(), 2);
+    for kind in PredictorKind::ALL {
+        predict::load(&cal, kind).expect("predictor");
+    }
+    for err in [
+        cal.selection(0).expect_err("no q").to_string(),
+        cal.quality_cost().expect_err("no cost").to_string(),
+    ] {
+        assert!(err.contains("predates"), "{err}");
+        assert!(err.contains("leanstream calibrate"), "{err}");
+        assert!(err.contains("old.lsm"), "{err}");
+    }
+}

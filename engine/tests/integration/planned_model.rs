@@ -12,7 +12,7 @@ use leanstream_engine::forward::{MAX_BATCH, Model, Session};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::model::lsm;
-use leanstream_engine::plan::{Floor, Placement, Plan};
+use leanstream_engine::plan::{Floor, PIECE_BYTES, Part, Placement, Plan, pieces};
 use leanstream_engine::quant::DType;
 
 const CONTEXT: usize = 64;
@@ -58,7 +58,7 @@ fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
     let floor = Floor::of(model, CONTEXT, KvType::default());
     let mut b = floor.total();
     loop {
-        if let Ok(p) = Plan::new(&model.weights, b, floor)
+        if let Ok(p) = Plan::in_pieces(&model.weights, b, floor, model.piece_bytes)
             && wanted(&p)
         {
             return b;
@@ -71,8 +71,18 @@ fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
 /// A predicate on the placement a plan chose.
 type Shape<'a> = Box<dyn Fn(&Plan) -> bool + 'a>;
 
-fn check_file(path: &Path) {
-    let full = Model::load(path).unwrap();
+/// Pieces small enough that the tiny models' larger matrices are cut in several.
+const SMALL_PIECES: usize = 24 << 10;
+
+fn check_file(path: &Path, piece_bytes: usize) {
+    let full = Model::load_in_pieces(path, piece_bytes).unwrap();
+    if piece_bytes == SMALL_PIECES {
+        let layer = &full.weights.layers[0];
+        assert!(
+            pieces(layer, piece_bytes).len() > Part::of(layer).len() + 2,
+            "small pieces cut the tiny model's matrices"
+        );
+    }
     let expected = logits(&full);
     let streamed = |p: &Plan| {
         p.layers
@@ -107,7 +117,9 @@ fn check_file(path: &Path) {
     ];
     for (what, shape) in shapes {
         let budget = budget_for(&full, &shape);
-        let planned = Model::load_within(path, budget, CONTEXT, KvType::default()).unwrap();
+        let planned =
+            Model::load_within_in_pieces(path, budget, CONTEXT, KvType::default(), piece_bytes)
+                .unwrap();
         let plan = planned.plan().unwrap().clone();
         assert!(
             shape(&plan),
@@ -143,13 +155,45 @@ fn check_file(path: &Path) {
 #[test]
 fn a_planned_gguf_computes_the_loaded_models_logits_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
-    check_file(&tiny(3, dir.path()).0);
+    check_file(&tiny(3, dir.path()).0, PIECE_BYTES);
 }
 
 #[test]
 fn a_planned_lsm_computes_the_loaded_models_logits_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
-    check_file(&tiny(4, dir.path()).1);
+    check_file(&tiny(4, dir.path()).1, PIECE_BYTES);
+}
+
+#[test]
+fn a_gguf_in_small_pieces_computes_the_same_logits_resident_and_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = tiny(6, dir.path()).0;
+    check_file(&gguf, SMALL_PIECES);
+    // Rows computed in pieces are the rows computed whole.
+    let (whole, cut) = (
+        Model::load(&gguf).unwrap(),
+        Model::load_in_pieces(&gguf, SMALL_PIECES).unwrap(),
+    );
+    assert_eq!(logits(&cut), logits(&whole));
+}
+
+#[test]
+fn an_lsm_in_small_pieces_computes_the_same_logits_resident_and_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let lsm = tiny(7, dir.path()).1;
+    check_file(&lsm, SMALL_PIECES);
+    // The down sums of a `.lsm` layer add up piece by piece: close to the whole layer's, not equal.
+    let (whole, cut) = (
+        Model::load(&lsm).unwrap(),
+        Model::load_in_pieces(&lsm, SMALL_PIECES).unwrap(),
+    );
+    let (a, b) = (logits(&whole).1, logits(&cut).1);
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-3, "{worst}");
 }
 
 #[test]

@@ -309,6 +309,7 @@ mod tests {
             tables: 1 << 19,
             session: 6 << 20,
             ring: 3 << 20,
+            ..Floor::default()
         });
         rows[0].plan_resident_bytes = Some(30 << 20);
         assert_eq!(

@@ -197,26 +197,32 @@ impl<'a> Disjoint<'a> {
 
 /// The mat-vecs of a batch in one parallel region: job `j` is a matrix and one output slice of
 /// its rows per token (`outs[t]` gets `m · x_t`).
-pub(super) fn fused_matvecs<const N: usize>(
+pub(super) fn fused_matvecs<'m, 'o>(
     k: &Kernels,
     x: Prepared<'_>,
     n_tokens: usize,
-    jobs: [(&QRows, Vec<&mut [f32]>); N],
+    jobs: impl IntoIterator<Item = (&'m QRows, Vec<&'o mut [f32]>)>,
 ) {
     assert!(n_tokens > 0, "a batch of no tokens");
-    let jobs = jobs.map(|(m, outs)| {
-        assert_eq!(outs.len(), n_tokens, "one output per token");
-        assert_eq!(x.len(), n_tokens * m.cols, "activations vs matrix columns");
-        let outs: Vec<Disjoint<'_>> = outs
-            .into_iter()
-            .map(|out| {
-                assert_eq!(out.len(), m.rows, "output length vs matrix rows");
-                Disjoint::new(out)
-            })
-            .collect();
-        (m, outs)
-    });
-    let counts = jobs.each_ref().map(|(m, _)| m.rows.div_ceil(FUSED_ROWS));
+    let jobs: Vec<_> = jobs
+        .into_iter()
+        .map(|(m, outs)| {
+            assert_eq!(outs.len(), n_tokens, "one output per token");
+            assert_eq!(x.len(), n_tokens * m.cols, "activations vs matrix columns");
+            let outs: Vec<Disjoint<'_>> = outs
+                .into_iter()
+                .map(|out| {
+                    assert_eq!(out.len(), m.rows, "output length vs matrix rows");
+                    Disjoint::new(out)
+                })
+                .collect();
+            (m, outs)
+        })
+        .collect();
+    let counts: Vec<usize> = jobs
+        .iter()
+        .map(|(m, _)| m.rows.div_ceil(FUSED_ROWS))
+        .collect();
     let total: usize = counts.iter().sum();
     let per_task = total.div_ceil(4 * rayon::current_num_threads()).max(1);
     for_each_chunk(total, per_task, |items| {

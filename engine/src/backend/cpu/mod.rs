@@ -596,6 +596,22 @@ impl Kernels {
         matvec::fused_matvecs(self, x, n_tokens, [(m, outs)]);
     }
 
+    /// [`Kernels::matmat_each`] of any number of matrices in one parallel pass (`jobs[j].1[t]`
+    /// gets token `t`'s result of matrix `jobs[j].0`): the pieces of a layer's matrices that one
+    /// unit of the weight stream holds.
+    ///
+    /// Panics unless every job has one output per token, each of its matrix's rows.
+    pub fn matmat_jobs(
+        &self,
+        x: Prepared<'_>,
+        n_tokens: usize,
+        jobs: Vec<(&QRows, Vec<&mut [f32]>)>,
+    ) {
+        if !jobs.is_empty() {
+            matvec::fused_matvecs(self, x, n_tokens, jobs);
+        }
+    }
+
     /// [`matvec`] with this table.
     pub fn matvec(
         &self,

@@ -9,6 +9,18 @@
 //! optional and every sub-field has a default).
 //!
 //! Per-neuron tensors are in STORED neuron order (the order of the streamed section).
+//!
+//! What a memory planner needs to choose, per FFN layer, between streaming it sparsely and
+//! densely (files written before these tensors existed still load; only these accessors fail):
+//!
+//! - `select.{l}` (f32 per neuron, neuron-major): `q_i`, the probability that the default
+//!   predictor ([`PredictorKind::DEFAULT`]) selects neuron `i` of layer `l` at its stored cut-off
+//!   (the share of held-out tokens whose score is `>=` the cut-off). Its mean over a layer's
+//!   neurons is that layer's fetch fraction. Other predictors: `select.{kind}.{l}`.
+//! - `quality_cost` (f32 per layer): what running layer `l` sparsely costs in quality, as
+//!   [`Calibration::quality_cost_source`] says (`leanstream calibrate`: the relative RMS error of
+//!   the layer's FFN output, thresholds and the default predictor applied, against dense, on
+//!   held-out tokens). Other predictors: `quality_cost.{kind}`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -72,6 +84,29 @@ pub enum PredictorKind {
 impl PredictorKind {
     /// Every kind, in report order.
     pub const ALL: [PredictorKind; 2] = [PredictorKind::LowRank, PredictorKind::Hashing];
+    /// The predictor the daemon and `bench` use unless told otherwise, and whose selection
+    /// probabilities and quality cost carry the plain names (`select.{l}`, `quality_cost`).
+    pub const DEFAULT: PredictorKind = PredictorKind::LowRank;
+
+    /// The name of its selection-probability tensor of layer `l` (`select.{l}` for
+    /// [`Self::DEFAULT`], `select.{kind}.{l}` otherwise).
+    pub fn selection_tensor(self, l: usize) -> String {
+        if self == PredictorKind::DEFAULT {
+            format!("select.{l}")
+        } else {
+            format!("select.{self}.{l}")
+        }
+    }
+
+    /// The name of its per-layer quality-cost tensor (`quality_cost` for [`Self::DEFAULT`],
+    /// `quality_cost.{kind}` otherwise).
+    pub fn quality_cost_tensor(self) -> String {
+        if self == PredictorKind::DEFAULT {
+            "quality_cost".into()
+        } else {
+            format!("quality_cost.{self}")
+        }
+    }
 
     /// Short lowercase name (`lowrank`, `hashing`), as in tensor names and reports.
     pub fn name(self) -> &'static str {
@@ -134,6 +169,16 @@ pub struct Calibration {
     /// Perplexity of the dense model on held-out text, and with `thresholds` applied to `h`.
     pub heldout_ppl_dense: f32,
     pub heldout_ppl_thresholded: f32,
+    /// What the `quality_cost` tensors hold and how they were obtained (empty in files written
+    /// before they existed).
+    pub quality_cost_source: String,
+}
+
+impl Calibration {
+    /// [`Calibration::quality_cost_source`] of `leanstream calibrate`.
+    pub const QUALITY_COST_FFN_ERROR: &str = "heldout: relative RMS error of the layer's FFN \
+         output, activations under the threshold zeroed and neurons under the predictor's cut-off \
+         skipped (neuron granularity), against the dense FFN output";
 }
 
 /// A tensor to write into the calibration section.
@@ -268,6 +313,69 @@ impl CalibrationData {
     /// Per layer, per stored neuron: mean `|h|` over the calibration tokens.
     pub fn mean_abs_h(&self) -> Result<Vec<Vec<f32>>> {
         self.per_layer("mean_abs_h")
+    }
+
+    /// Per stored neuron of layer `l`: the probability `q_i` that the default predictor selects
+    /// it at its stored cut-off (share of held-out tokens; see the module documentation).
+    pub fn selection(&self, l: usize) -> Result<Vec<f32>> {
+        self.selection_for(PredictorKind::DEFAULT, l)
+    }
+
+    /// [`Self::selection`] of every layer.
+    pub fn selection_probabilities(&self) -> Result<Vec<Vec<f32>>> {
+        (0..self.config.n_layers)
+            .map(|l| self.selection(l))
+            .collect()
+    }
+
+    /// [`Self::selection`] for predictor `kind`.
+    pub fn selection_for(&self, kind: PredictorKind, l: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        if l >= c.n_layers {
+            return Err(Error::InvalidArgument {
+                arg: "layer",
+                reason: format!("{l} is outside 0..{}", c.n_layers),
+            });
+        }
+        let name = kind.selection_tensor(l);
+        self.newer(&name)?;
+        Ok(self.tensor(&name, CalDType::F32, &[c.n_ff])?.to_f32())
+    }
+
+    /// Per layer: the measured quality cost of running it sparsely with the default predictor,
+    /// as [`Calibration::quality_cost_source`] says.
+    pub fn quality_cost(&self) -> Result<Vec<f32>> {
+        self.quality_cost_for(PredictorKind::DEFAULT)
+    }
+
+    /// [`Self::quality_cost`] for predictor `kind`.
+    pub fn quality_cost_for(&self, kind: PredictorKind) -> Result<Vec<f32>> {
+        let name = kind.quality_cost_tensor();
+        self.newer(&name)?;
+        Ok(self
+            .tensor(&name, CalDType::F32, &[self.config.n_layers])?
+            .to_f32())
+    }
+
+    /// An error naming the file and the fix when tensor `name` is absent: either the predictor
+    /// was not calibrated, or the file predates the tensor.
+    fn newer(&self, name: &str) -> Result<()> {
+        if self.tensors.contains_key(name) {
+            return Ok(());
+        }
+        let p = self.path.display();
+        let why = if self.tensors.keys().any(|k| k.starts_with("select.")) {
+            "this predictor has no selection statistics in it".to_string()
+        } else {
+            "it predates per-neuron selection probabilities and per-layer quality costs".into()
+        };
+        Err(Error::invalid_file(
+            &self.path,
+            format!(
+                "calibration tensor `{name}` is missing: {why}; re-run `leanstream calibrate {p}` \
+                 (or `leanstream synth`) to add it"
+            ),
+        ))
     }
 
     fn per_layer(&self, what: &str) -> Result<Vec<Vec<f32>>> {

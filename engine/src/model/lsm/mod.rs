@@ -27,6 +27,7 @@
 //! [`crate::sparsity`] alone; only its tests drive the engine on top).
 
 mod calibration;
+pub mod export;
 mod layout;
 mod rewrite;
 pub mod synth;

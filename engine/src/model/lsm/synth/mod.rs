@@ -25,11 +25,21 @@
 //!   (`v` = the planted directions, `us` = the projections of the stored, Q4-rounded gate rows
 //!   on them), with cut-offs set for the target recall by simulating the planted distribution.
 //!   `heldout_recall` and `heldout_fetch_fraction` in the file are those simulated figures; the
-//!   bench measures the real ones.
+//!   bench measures the real ones. Per neuron, the probability that the predictor selects it
+//!   (`select.{l}`, exact under the planted model: [`plant::p_abs_silu_at_least`]), and per layer
+//!   a simulated quality cost (`quality_cost`: relative error of the FFN output run sparsely,
+//!   down columns taken as independent).
+//! - **Token correlation** (optional, [`SynthOptions::token_correlation`], module [`carry`]):
+//!   attention planted so that the token-varying residual stream is an AR(1) process across
+//!   positions, for a target carry-over of active neurons between consecutive tokens. Only the
+//!   attention tensors change; the per-token statistics, and so the calibration section, are
+//!   those of the independent model.
 //!
-//! What is not realistic: consecutive tokens' activations are independent given the neurons'
-//! frequencies (real models carry over 82–85 % of active neurons; here the expected carry-over
-//! is `E[p²]/E[p]`, reported by [`SynthReport::carry_over`]); every layer has the same statistics.
+//! What is not realistic: without token correlation, consecutive tokens' activations are
+//! independent given the neurons' frequencies (real models carry over 82–85 % of active neurons;
+//! here the expected carry-over is `E[p²]/E[p]`, reported by [`SynthReport::carry_over`]); with
+//! it, the first positions of a context and the first layer(s) fall short of the target (see
+//! [`carry`]); every layer has the same statistics.
 //!
 //! Writing streams: one tensor or one FFN layer (~100 MB for 7B) is in memory at a time; rows
 //! are generated in parallel (rayon), each from its own seeded stream, so the file depends on
@@ -39,6 +49,7 @@
 //! [`crate::sparsity`] (cut-offs, recall counting), never `crate::predict`: the planted low-rank
 //! predictor is written as tensors and a [`PredictorMeta`] that `predict::load` reads back.
 
+mod carry;
 mod plant;
 mod vocab;
 mod weights;
@@ -47,11 +58,12 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
+use self::carry::Carry;
 use self::plant::{LayerSim, Plant, Rng, simulate_layer};
 pub use self::vocab::SynthTokenizer;
 use self::weights::{
-    Basis, FFN_OUT, LayerPlan, NeuronOut, SIN_THETA, TAG_BETA, TAG_DIR, TAG_SIM, directions,
-    resident_tensor, resident_tensors, unit,
+    Basis, FFN_OUT, LayerPlan, NeuronOut, RowKind, SIN_THETA, TAG_BETA, TAG_DIR, TAG_SIM,
+    directions, resident_tensor, resident_tensors, unit,
 };
 use super::calibration::{
     CalDType, CalTensor, CalTensorEntry, Calibration, PredictorKind, PredictorMeta,
@@ -166,6 +178,10 @@ pub struct SynthOptions {
     pub target_recall: f32,
     /// Simulated tokens per layer for the cut-offs and statistics. Default 32.
     pub sim_tokens: usize,
+    /// Target carry-over of active neurons from one token to the next, planted through attention
+    /// (see `synth/carry.rs`); 0 (default) keeps consecutive tokens independent, and the file
+    /// exactly as without the option.
+    pub token_correlation: f32,
 }
 
 impl SynthOptions {
@@ -184,6 +200,7 @@ impl SynthOptions {
             down_dtype: DType::Q8_0,
             target_recall: 0.95,
             sim_tokens: 32,
+            token_correlation: 0.0,
         }
     }
 
@@ -223,6 +240,15 @@ impl SynthOptions {
                 format!("{} is not q8_0, f16, q5_0 or q4_0", self.down_dtype),
             );
         }
+        if !(0.0..1.0).contains(&self.token_correlation) {
+            return bad(
+                "token_correlation",
+                format!(
+                    "{} is outside [0, 1) (a carry-over target; 0 = independent tokens)",
+                    self.token_correlation
+                ),
+            );
+        }
         if !(self.target_recall > 0.0 && self.target_recall < 1.0) || self.sim_tokens < 2 {
             return bad(
                 "target_recall",
@@ -257,6 +283,37 @@ pub struct SynthReport {
     pub sim_fetch_fraction: f64,
     /// Expected share of a token's active neurons active on the next (independent) token.
     pub carry_over: f64,
+    /// With `token_correlation`: the latent lag-1 correlation planted in the residual stream,
+    /// and the expected carry-over it gives under the planted model (0 and [`Self::carry_over`]
+    /// without).
+    pub token_correlation: f64,
+    pub planned_carry_over: f64,
+    /// The layers whose attention transforms directions, and how many each (0 without).
+    pub correlated_layers: usize,
+    pub directions_per_layer: usize,
+    /// What a dense forward pass over text measured on the written file, when the caller ran one
+    /// (`leanstream synth` does, through `calibrate::measure_activity`; this module does not run
+    /// the engine).
+    pub measured: Option<MeasuredActivity>,
+}
+
+/// Activity measured by running the engine's dense forward pass over text on a written model.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MeasuredActivity {
+    /// Tokens run, and how many leading ones were left out of the figures (warm-up).
+    pub tokens: usize,
+    pub skipped: usize,
+    /// Per layer and pooled: of the neurons active on a token, the share also active on the next.
+    pub carry_over_by_layer: Vec<f64>,
+    pub carry_over: f64,
+    /// `E[f²] / E[f]` of the measured per-neuron frequencies: the carry-over of independent
+    /// tokens with the same frequencies.
+    pub independent_carry_over: f64,
+    /// Share of neuron-tokens inactive at the stored thresholds.
+    pub sparsity: f64,
+    /// The default predictor at its stored cut-offs: recall of active neurons, fetch fraction.
+    pub recall: f64,
+    pub fetch_fraction: f64,
 }
 
 /// The calibration metadata with the tensor directory filled in (every tensor's name, type and
@@ -304,8 +361,25 @@ fn calibration_skeleton(opts: &SynthOptions) -> Calibration {
                         vec![n_ff],
                         true,
                     ),
+                    entry(
+                        PredictorKind::LowRank.selection_tensor(l),
+                        l,
+                        false,
+                        vec![n_ff],
+                        true,
+                    ),
                 ]
             })
+            .chain([CalTensorEntry {
+                layer: None,
+                ..entry(
+                    PredictorKind::LowRank.quality_cost_tensor(),
+                    0,
+                    false,
+                    vec![n_layers],
+                    false,
+                )
+            }])
             .collect(),
         predictors: vec![PredictorMeta {
             kind: Some(PredictorKind::LowRank),
@@ -321,8 +395,14 @@ fn calibration_skeleton(opts: &SynthOptions) -> Calibration {
         }],
         heldout_ppl_dense: 0.0,
         heldout_ppl_thresholded: 0.0,
+        quality_cost_source: QUALITY_COST_SIMULATED.into(),
     }
 }
+
+/// [`Calibration::quality_cost_source`] of a synthetic model.
+const QUALITY_COST_SIMULATED: &str = "synthetic: simulated on the planted distribution, relative \
+     RMS error of the FFN output with activations under the threshold and neurons under the \
+     cut-off left out, down columns taken as independent (sqrt(sum of missed h² / sum of h²))";
 
 /// A section not yet written.
 const PLACEHOLDER: Section = Section {
@@ -368,7 +448,50 @@ pub fn synthesize(
         ),
     };
 
-    let resident = resident_tensors(&config, wd);
+    // Effective unpredictable noise: planted noise plus the rounding of sample gate rows.
+    let probe_plan = LayerPlan {
+        opts,
+        basis: &basis,
+        layer: usize::MAX,
+        directions: directions(opts.seed, usize::MAX, r, &basis.c),
+        bias: vec![2.0; 64.min(n_ff)],
+        plant: Plant::new(f64::from(opts.sparsity), f64::from(opts.skew), 0.0),
+        down_scale: 0.0,
+    };
+    let mut scratch = (vec![0f32; d], Vec::new(), vec![0u8; bundle_bytes]);
+    let round2 = (0..probe_plan.bias.len())
+        .map(|i| {
+            probe_plan
+                .neuron(i, &mut scratch.2, &mut scratch.0, &mut scratch.1)
+                .round_err2
+        })
+        .sum::<f64>()
+        / probe_plan.bias.len() as f64;
+    let eta = (f64::from(opts.noise).powi(2) + SIN_THETA * SIN_THETA * round2).sqrt();
+    let plant = Plant::new(f64::from(opts.sparsity), f64::from(opts.skew), eta);
+    // Down columns: one FFN output of RMS FFN_OUT with the expected number of active neurons,
+    // each |h| ~ silu(tau + sigma) ~ 3.
+    let down_scale =
+        (FFN_OUT / ((1.0 - f64::from(opts.sparsity)) * n_ff as f64 * 9.0).sqrt()) as f32;
+
+    // Token correlation: planted attention (and Q/K biases, appended so that every other
+    // tensor keeps its RNG stream).
+    let carry = Carry::new(opts, &config, &plant, &basis.c)?;
+    let mut resident = resident_tensors(&config, wd);
+    if let Some(cr) = &carry {
+        resident.extend(
+            cr.bias_tensors()
+                .into_iter()
+                .map(|(name, n)| (name, DType::F32, vec![n], RowKind::Ones)),
+        );
+    }
+    let correlation = carry.as_ref().map_or(String::new(), |cr| {
+        format!(
+            "; token correlation: attention carries the token-varying residual stream over as \
+             AR(1) with lag-1 correlation {:.4} for a carry-over target of {}",
+            cr.rho, opts.token_correlation
+        )
+    });
 
     let mut header = Header {
         config: config.clone(),
@@ -378,7 +501,7 @@ pub fn synthesize(
         chat_template: tokenizer.chat_template.clone(),
         source: format!(
             "synthetic {} (seed {}; seeded random weights with planted activation statistics; \
-             tokenizer: {})",
+             tokenizer: {}){correlation}",
             shape.name, opts.seed, tokenizer.source
         ),
         resident: PLACEHOLDER,
@@ -420,32 +543,6 @@ pub fn synthesize(
         .sum();
     let total = resident_estimate + (chunk_bytes * chunks * shape.n_layers) as u64;
 
-    // Effective unpredictable noise: planted noise plus the rounding of sample gate rows.
-    let probe_plan = LayerPlan {
-        opts,
-        basis: &basis,
-        layer: usize::MAX,
-        directions: directions(opts.seed, usize::MAX, r, &basis.c),
-        bias: vec![2.0; 64.min(n_ff)],
-        plant: Plant::new(f64::from(opts.sparsity), f64::from(opts.skew), 0.0),
-        down_scale: 0.0,
-    };
-    let mut scratch = (vec![0f32; d], Vec::new(), vec![0u8; bundle_bytes]);
-    let round2 = (0..probe_plan.bias.len())
-        .map(|i| {
-            probe_plan
-                .neuron(i, &mut scratch.2, &mut scratch.0, &mut scratch.1)
-                .round_err2
-        })
-        .sum::<f64>()
-        / probe_plan.bias.len() as f64;
-    let eta = (f64::from(opts.noise).powi(2) + SIN_THETA * SIN_THETA * round2).sqrt();
-    let plant = Plant::new(f64::from(opts.sparsity), f64::from(opts.skew), eta);
-    // Down columns: one FFN output of RMS FFN_OUT with the expected number of active neurons,
-    // each |h| ~ silu(tau + sigma) ~ 3.
-    let down_scale =
-        (FFN_OUT / ((1.0 - f64::from(opts.sparsity)) * n_ff as f64 * 9.0).sqrt()) as f32;
-
     let partial = dst.with_extension("lsm.partial");
     let mut out = Out::create(&partial)?;
     let mut sim_total = crate::sparsity::RecallCounter::default();
@@ -461,7 +558,12 @@ pub fn synthesize(
             header.tensors.iter_mut().zip(&resident).enumerate()
         {
             let (rows, cols) = rows_cols(tshape);
-            let bytes = resident_tensor(opts.seed, id as u64, kind, *dtype, rows, cols, &basis);
+            let planted = carry
+                .as_ref()
+                .and_then(|cr| cr.tensor(&entry.name, *dtype, rows, cols));
+            let bytes = planted.unwrap_or_else(|| {
+                resident_tensor(opts.seed, id as u64, kind, *dtype, rows, cols, &basis)
+            });
             (entry.offset, entry.len) = out.write_tensor(res_start, &bytes, &mut crc)?;
             done += bytes.len() as u64;
             progress(done, total);
@@ -471,9 +573,10 @@ pub fn synthesize(
         out.pad_to(align_up(out.pos))?;
         let str_start = out.pos;
         let mut section_crc = crc32fast::Hasher::new();
-        let mut cal: Vec<CalTensor> = Vec::with_capacity(5 * shape.n_layers);
+        let mut cal: Vec<CalTensor> = Vec::with_capacity(6 * shape.n_layers + 1);
         let mut thresholds = Vec::with_capacity(shape.n_layers);
         let mut cutoffs = Vec::with_capacity(shape.n_layers);
+        let mut quality = Vec::with_capacity(shape.n_layers);
         let mut buf = vec![0u8; chunks * chunk_bytes];
         for l in 0..shape.n_layers {
             let mut rng = Rng::new(opts.seed, TAG_BETA, l as u64, 0);
@@ -561,11 +664,25 @@ pub fn synthesize(
                     &mean_abs_u,
                 )
                 .neuron_major(),
+                CalTensor::f32(
+                    PredictorKind::LowRank.selection_tensor(l),
+                    Some(l),
+                    vec![n_ff],
+                    &sim.selection,
+                )
+                .neuron_major(),
             ]);
+            quality.push(sim.output_error as f32);
             done += buf.len() as u64;
             progress(done, total);
         }
         header.streamed = out.section_since(str_start, section_crc);
+        cal.push(CalTensor::f32(
+            PredictorKind::LowRank.quality_cost_tensor(),
+            None,
+            vec![shape.n_layers],
+            &quality,
+        ));
 
         out.pad_to(align_up(out.pos))?;
         let cal_start = out.pos;
@@ -574,6 +691,11 @@ pub fn synthesize(
             .calibration
             .as_mut()
             .expect("set above: the header carries calibration");
+        assert_eq!(
+            cal.len(),
+            meta.tensors.len(),
+            "one tensor per directory entry"
+        );
         for (t, e) in cal.iter().zip(&mut meta.tensors) {
             assert_eq!(t.name, e.name, "calibration tensors in directory order");
             (e.offset, e.len) = out.write_tensor(cal_start, &t.bytes, &mut crc)?;
@@ -602,10 +724,19 @@ pub fn synthesize(
             sim_recall: sim_total.recall(),
             sim_fetch_fraction: sim_total.fetch_fraction(),
             carry_over: Plant::carry_over(&all_freqs),
+            token_correlation: carry.as_ref().map_or(0.0, |cr| cr.rho),
+            planned_carry_over: carry
+                .as_ref()
+                .map_or_else(|| Plant::carry_over(&all_freqs), |cr| cr.planned_carry_over),
+            correlated_layers: carry.as_ref().map_or(0, |cr| cr.active_layers),
+            directions_per_layer: carry.as_ref().map_or(0, |cr| cr.per_layer),
+            measured: None,
         })
     })();
     commit(&partial, dst, result)
 }
 
+#[cfg(test)]
+mod carry_tests;
 #[cfg(test)]
 mod tests;

@@ -128,8 +128,67 @@ pub(super) fn phi_inv(p: f64) -> f64 {
     }
 }
 
-fn silu(g: f64) -> f64 {
+pub(super) fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
+}
+
+/// Where `silu` has its minimum, and the minimum.
+const SILU_ARGMIN: f64 = -1.278_464_542_761_074;
+const SILU_MIN: f64 = -0.278_464_542_761_074;
+
+/// The `x` in `[lo, hi]` where the monotone `f` crosses `v` (bisection).
+fn crossing(f: impl Fn(f64) -> f64, v: f64, mut lo: f64, mut hi: f64) -> f64 {
+    let rising = f(hi) > f(lo);
+    for _ in 0..80 {
+        let mid = 0.5 * (lo + hi);
+        if (f(mid) < v) == rising {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
+/// `P(|silu(bias + sigma·Z)| >= v)` for `Z ~ N(0, 1)`.
+pub(super) fn p_abs_silu_at_least(bias: f64, sigma: f64, v: f64) -> f64 {
+    if v <= 0.0 {
+        return 1.0;
+    }
+    let p_above = |x: f64| 1.0 - phi((x - bias) / sigma);
+    // silu rises from its minimum on: silu(x) >= v > 0 above one point.
+    let x_pos = crossing(silu, v, 0.0, v + 40.0);
+    let mut p = p_above(x_pos);
+    if v <= -SILU_MIN {
+        // silu(x) <= -v on an interval around the minimum.
+        let x1 = crossing(silu, -v, -100.0, SILU_ARGMIN);
+        let x2 = crossing(silu, -v, SILU_ARGMIN, 0.0);
+        p += p_above(x1) - p_above(x2);
+    }
+    p.clamp(0.0, 1.0)
+}
+
+/// `P(X <= b, Y <= b)` for standard normals `X`, `Y` of correlation `rho` in `[0, 1)`:
+/// `∫_{-∞}^{b} φ(x) Φ((b - rho·x) / sqrt(1 - rho²)) dx` by Simpson's rule.
+pub(super) fn bivariate_normal_orthant(b: f64, rho: f64) -> f64 {
+    if rho <= 0.0 {
+        return phi(b) * phi(b);
+    }
+    let s = (1.0 - rho * rho).max(1e-12).sqrt();
+    let lo = (-9.0f64).min(b - 1.0);
+    if b <= lo {
+        return 0.0;
+    }
+    let n = 400;
+    let step = (b - lo) / n as f64;
+    let f = |x: f64| {
+        (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt() * phi((b - rho * x) / s)
+    };
+    let mut sum = f(lo) + f(b);
+    for k in 1..n {
+        sum += f(lo + k as f64 * step) * if k % 2 == 1 { 4.0 } else { 2.0 };
+    }
+    (sum * step / 3.0).clamp(0.0, 1.0)
 }
 
 /// The planted distribution's constants, shared by every layer.
@@ -182,6 +241,41 @@ impl Plant {
         phi(beta / (1.0 + self.eta * self.eta).sqrt())
     }
 
+    /// Expected share of a token's active neurons that are active on the next token when the
+    /// token-varying part of every gate (predictable and not) has correlation `rho` from one
+    /// token to the next: `E[P(both)] / E[p]` over `beta ~ N(mu, kappa²)` (256 quantiles). At
+    /// `rho = 0` this is [`Self::carry_over`] of the planted frequencies.
+    pub fn carry_over_at(&self, rho: f64) -> f64 {
+        let k = 256;
+        let (mut both, mut one) = (0.0, 0.0);
+        for j in 0..k {
+            let beta = self.mu + self.kappa * phi_inv((j as f64 + 0.5) / k as f64);
+            let b = beta / (1.0 + self.eta * self.eta).sqrt();
+            both += bivariate_normal_orthant(b, rho);
+            one += phi(b);
+        }
+        if one > 0.0 { both / one } else { 0.0 }
+    }
+
+    /// The correlation `rho` at which [`Self::carry_over_at`] is `target` (bisection over
+    /// `[0, max_rho]`), or `None` when `target` lies outside what `[0, max_rho]` gives.
+    pub fn rho_for_carry_over(&self, target: f64, max_rho: f64) -> Option<f64> {
+        let (lo_c, hi_c) = (self.carry_over_at(0.0), self.carry_over_at(max_rho));
+        if !(lo_c..=hi_c).contains(&target) {
+            return None;
+        }
+        let (mut lo, mut hi) = (0.0, max_rho);
+        for _ in 0..40 {
+            let mid = 0.5 * (lo + hi);
+            if self.carry_over_at(mid) < target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Some(0.5 * (lo + hi))
+    }
+
     /// Expected share of a token's active neurons that are active on the next, independent token
     /// (`E[p²] / E[p]` over the neurons): the carry-over the cache can exploit.
     pub fn carry_over(freqs: &[f32]) -> f64 {
@@ -203,6 +297,13 @@ pub(super) struct LayerSim {
     pub recall: crate::sparsity::RecallCounter,
     /// Share of neuron-tokens below the threshold.
     pub sparsity: f64,
+    /// Per neuron: the probability that the predictor selects it at `cutoff` (its score is
+    /// `>= cutoff`), exact under the planted model ([`p_abs_silu_at_least`]).
+    pub selection: Vec<f32>,
+    /// The simulated quality cost: on the second half of the tokens, the relative RMS error of the
+    /// FFN output with the neurons under the threshold or under the cut-off left out, taking the
+    /// down columns as independent and of equal norm (`sqrt(Σ missed h² / Σ h²)`).
+    pub output_error: f64,
 }
 
 /// Simulates `tokens` tokens of one layer from the planted distribution: `bias[i]` is neuron
@@ -222,7 +323,7 @@ pub(super) fn simulate_layer(
     let thr = f64::from(plant.threshold());
     let mut sum_h = vec![0f64; n];
     let mut active_scores = Vec::new();
-    let mut held: Vec<(f32, bool)> = Vec::with_capacity(n * tokens.div_ceil(2));
+    let mut held: Vec<(f32, bool, f64)> = Vec::with_capacity(n * tokens.div_ceil(2));
     let mut inactive = 0usize;
     for t in 0..tokens {
         for i in 0..n {
@@ -239,7 +340,7 @@ pub(super) fn simulate_layer(
                     active_scores.push(score);
                 }
             } else {
-                held.push((score, active));
+                held.push((score, active, h));
             }
         }
     }
@@ -249,6 +350,21 @@ pub(super) fn simulate_layer(
     let mut recall = crate::sparsity::RecallCounter::default();
     let scores: Vec<f32> = held.iter().map(|h| h.0).collect();
     recall.add(&scores, cutoff, |k| held[k].1);
+    let (mut all2, mut missed2) = (0f64, 0f64);
+    for &(score, active, h) in &held {
+        all2 += h * h;
+        if !(active && score >= cutoff) {
+            missed2 += h * h;
+        }
+    }
+    let selection = bias
+        .iter()
+        .zip(mean_abs_u)
+        .map(|(&b, &u)| {
+            let v = f64::from(cutoff) / f64::from(u).max(1e-30);
+            p_abs_silu_at_least(b, plant.sigma, v) as f32
+        })
+        .collect();
     LayerSim {
         mean_abs_h: sum_h
             .iter()
@@ -257,6 +373,12 @@ pub(super) fn simulate_layer(
         cutoff,
         recall,
         sparsity: inactive as f64 / (n * tokens).max(1) as f64,
+        selection,
+        output_error: if all2 > 0.0 {
+            (missed2 / all2).sqrt()
+        } else {
+            0.0
+        },
     }
 }
 
@@ -303,5 +425,91 @@ mod tests {
             );
             assert!(sim.recall.fetch_fraction() < 1.0);
         }
+    }
+
+    #[test]
+    fn selection_probabilities_match_a_monte_carlo_of_the_planted_model() {
+        // The closed form against sampling, on both branches of |silu| (a cut-off under silu's
+        // minimum also selects neurons driven far negative).
+        let mut r = Rng::new(3, 1, 4, 1);
+        for (bias, v) in [
+            (2.0, 1.7),
+            (-1.0, 0.5),
+            (-1.3, 0.2),
+            (0.5, 0.05),
+            (3.0, 0.0),
+        ] {
+            let n = 40000;
+            let hits = (0..n)
+                .filter(|_| silu(bias + r.normal()).abs() >= v)
+                .count();
+            let (mc, p) = (hits as f64 / n as f64, p_abs_silu_at_least(bias, 1.0, v));
+            assert!((mc - p).abs() < 0.01, "bias {bias} v {v}: {mc} vs {p}");
+        }
+
+        // A layer: per-neuron selection at the simulated cut-off.
+        let plant = Plant::new(0.8, 1.5, 0.6);
+        let n = 2000;
+        let betas = plant.betas(&mut r, n);
+        let bias: Vec<f64> = betas.iter().map(|b| plant.tau + plant.sigma * b).collect();
+        let mean_abs_u: Vec<f32> = (0..n).map(|i| 0.9 + 0.05 * (i % 5) as f32).collect();
+        let sim = simulate_layer(&plant, &bias, &mean_abs_u, 32, 0.95, &mut r);
+        assert!(sim.selection.iter().all(|q| (0.0..=1.0).contains(q)));
+        let tokens = 4000;
+        for i in (0..n).step_by(61) {
+            let hits = (0..tokens)
+                .filter(|_| {
+                    let predicted = bias[i] + plant.sigma * r.normal();
+                    let score = (silu(predicted).abs() * f64::from(mean_abs_u[i])) as f32;
+                    score >= sim.cutoff
+                })
+                .count();
+            let (mc, q) = (hits as f64 / tokens as f64, f64::from(sim.selection[i]));
+            let sd = (q * (1.0 - q) / tokens as f64).sqrt();
+            assert!((mc - q).abs() < 4.5 * sd + 2e-3, "neuron {i}: {mc} vs {q}");
+        }
+        // Their mean is the fetch fraction the simulation measured (16 tokens: sampling noise).
+        let mean = sim.selection.iter().map(|&q| f64::from(q)).sum::<f64>() / n as f64;
+        let fetch = sim.recall.fetch_fraction();
+        assert!((mean - fetch).abs() < 0.01, "{mean} vs {fetch}");
+        assert!(
+            sim.output_error > 0.0 && sim.output_error < 0.5,
+            "{}",
+            sim.output_error
+        );
+    }
+
+    #[test]
+    fn carry_over_grows_with_the_token_correlation() {
+        let plant = Plant::new(0.8, 1.5, 0.6);
+        // At rho = 0 the closed form is E[p²]/E[p] of the planted frequencies.
+        let freqs: Vec<f32> = (0..256)
+            .map(|j| {
+                let beta = plant.mu + plant.kappa * phi_inv((j as f64 + 0.5) / 256.0);
+                plant.frequency(beta) as f32
+            })
+            .collect();
+        assert!((plant.carry_over_at(0.0) - Plant::carry_over(&freqs)).abs() < 1e-4);
+        let c: Vec<f64> = [0.0, 0.3, 0.6, 0.9, 0.999]
+            .iter()
+            .map(|&r| plant.carry_over_at(r))
+            .collect();
+        assert!(c.windows(2).all(|w| w[0] < w[1]), "{c:?}");
+        assert!(c[4] > 0.97, "{c:?}");
+        // Sampled pairs of correlated normals agree with the orthant probability.
+        let mut r = Rng::new(8, 8, 8, 8);
+        let (b, rho, n) = (0.4, 0.7, 100_000);
+        let hits = (0..n)
+            .filter(|_| {
+                let x = r.normal();
+                let y = rho * x + (1.0 - rho * rho).sqrt() * r.normal();
+                x <= b && y <= b
+            })
+            .count();
+        let p = bivariate_normal_orthant(b, rho);
+        assert!((hits as f64 / n as f64 - p).abs() < 0.005, "{p}");
+        let rho = plant.rho_for_carry_over(0.8, 0.95).unwrap();
+        assert!((plant.carry_over_at(rho) - 0.8).abs() < 1e-6);
+        assert!(plant.rho_for_carry_over(0.3, 0.95).is_none());
     }
 }

@@ -81,6 +81,56 @@ fn every_down_type_makes_one_neuron_bundles_of_its_size() {
 }
 
 #[test]
+fn planted_down_values_survive_both_block_layouts_and_keep_their_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, n_ff) = (SynthShape::TINY.d_model, SynthShape::TINY.n_ff);
+    for down in [DType::Q8_0, DType::Q5_0, DType::Q4_0] {
+        let path = dir.path().join(format!("tiny-{down}.lsm"));
+        let mut opts = SynthOptions::new(SynthShape::TINY);
+        opts.chunk_neurons = 1;
+        opts.down_dtype = down;
+        synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap();
+        let f = LsmFile::open(&path).unwrap();
+        let w = f.weights(&path, f.tokenizer().unwrap()).unwrap();
+        for layer in &w.layers {
+            let crate::model::Down::Neurons(cols) = &layer.ffn.down else {
+                panic!("a .lsm stores down columns");
+            };
+            // Transposed: the GGUF layout, `d` rows of `n_ff` values.
+            let mut col = vec![0f32; d];
+            let mut rows = vec![0f32; d * n_ff];
+            for i in 0..n_ff {
+                cols.dequantize_row(i, &mut col);
+                for (j, v) in col.iter().enumerate() {
+                    rows[j * n_ff + i] = *v;
+                }
+            }
+            // Each row, quantised along the neuron axis, comes back exactly.
+            let (mut bytes, mut back) = (Vec::new(), vec![0f32; n_ff]);
+            for row in rows.chunks_exact(n_ff) {
+                bytes.clear();
+                crate::quant::quantize_row(down, row, &mut bytes);
+                crate::quant::dequantize_row(down, &bytes, &mut back);
+                assert!(row == back.as_slice(), "{down}: a row does not survive");
+            }
+            // The planted RMS: FFN_OUT over sqrt(active neurons · 9), as before the grid.
+            let rms = (rows.iter().map(|v| v * v).sum::<f32>() / rows.len() as f32).sqrt();
+            let want = 0.02 / ((1.0 - opts.sparsity) * n_ff as f32 * 9.0).sqrt();
+            assert!(
+                (rms / want - 1.0).abs() < 0.1,
+                "{down}: down RMS {rms}, planted {want}"
+            );
+        }
+    }
+    // The grid's step puts the RMS between a quarter and a half of the extreme code.
+    for rms in [1e-6f32, 3e-4, 0.7] {
+        let s = weights::down_step(rms, 16.0);
+        assert_eq!(s.log2().fract(), 0.0, "{s} is a power of two");
+        assert!(rms / s > 4.0 && rms / s <= 8.0, "{rms} / {s}");
+    }
+}
+
+#[test]
 fn the_planted_predictor_and_sparsity_hold_in_the_real_forward_pass() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = tiny(dir.path(), 1);

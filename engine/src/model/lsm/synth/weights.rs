@@ -233,9 +233,8 @@ impl LayerPlan<'_> {
         dequantize_row(o.weight_dtype, &bytes[g_len..], row);
         let mean_abs_u = (f64::from(dot(row, c)) * COS_THETA * sqrt_d).abs() as f32;
 
-        // Down: small noise.
-        row.iter_mut()
-            .for_each(|x| *x = self.down_scale * rng.flat());
+        // Down: small noise on a grid both block layouts store exactly.
+        down_column(o.down_dtype, self.down_scale, i, &mut rng, row);
         quantize_row(o.down_dtype, row, bytes);
         debug_assert_eq!(
             bytes.len() - g_len - u_len,
@@ -248,6 +247,53 @@ impl LayerPlan<'_> {
             mean_abs_u,
             round_err2,
         }
+    }
+}
+
+/// For a down type whose blocks [`down_column`] fills exactly: the code of the block's extreme
+/// value (negative, the one the quantiser's scale comes from: `d = max / -extreme`, or for Q8_0
+/// `d = amax / 127`) and the largest code magnitude of every other value.
+fn exact_codes(dtype: DType) -> Option<(f32, f32)> {
+    match dtype {
+        DType::Q8_0 => Some((127.0, 126.0)),
+        DType::Q5_0 => Some((16.0, 15.0)),
+        DType::Q4_0 => Some((8.0, 7.0)),
+        _ => None,
+    }
+}
+
+/// The step of a layer's down values: the power of two that puts their RMS `rms` between a
+/// quarter and a half of the extreme code, never below f16's smallest subnormal (2⁻²⁴), so that
+/// it is a block scale f16 holds exactly.
+pub(super) fn down_step(rms: f32, extreme: f32) -> f32 {
+    let e = (f64::from(rms) / f64::from(extreme / 2.0)).log2().ceil();
+    2f32.powi(e.clamp(-24.0, 15.0) as i32)
+}
+
+/// Neuron `i`'s down column (`row`, one value per residual dimension `j`): seeded values of RMS
+/// about `rms`.
+///
+/// For q8_0, q5_0 and q4_0 the values lie on a grid that the column's blocks (32 along `j`) and
+/// the transposed down matrix's blocks (32 along the neuron axis, what a GGUF `ffn_down` row
+/// holds) both store exactly, so that `leanstream export-gguf` is lossless: a power-of-two step
+/// `s` ([`down_step`]); on the `j ≡ i (mod 32)` diagonal the extreme value `-extreme·s`, so that
+/// every aligned block of 32 along either axis holds exactly one and has scale `s`; every other
+/// value an integer multiple of `s` of magnitude at most `limit` ([`exact_codes`]). Their spread
+/// is set so that the column's mean square, diagonal included, is `rms²`. Other types get
+/// uniform noise of RMS `rms` (f16 and f32 transpose exactly anyway).
+fn down_column(dtype: DType, rms: f32, i: usize, rng: &mut Rng, row: &mut [f32]) {
+    let Some((extreme, limit)) = exact_codes(dtype) else {
+        row.iter_mut().for_each(|x| *x = rms * rng.flat());
+        return;
+    };
+    let s = down_step(rms, extreme);
+    let t = rms / s;
+    let spread = ((t * t - extreme * extreme / 32.0) * 32.0 / 31.0)
+        .max(0.0)
+        .sqrt();
+    for (j, x) in row.iter_mut().enumerate() {
+        let code = (spread * rng.flat()).round().clamp(-limit, limit);
+        *x = s * if j % 32 == i % 32 { -extreme } else { code };
     }
 }
 

@@ -5,9 +5,12 @@
 //! Every dense weight (attention, FFN of a dense pass, output head) is needed by every token, so
 //! a resident byte saves exactly one byte of reading per token wherever it sits: the planner
 //! keeps as many bytes resident as fit and streams the rest. What does not fit streams as
-//! *units* — one layer (its tensors, merged into few large ranges) or a piece of the output head
-//! — read with `O_DIRECT` by one I/O thread into a ring of [`SLOTS`] buffers, in compute order,
-//! ahead of the compute ([`crate::stream::WeightStream`]). Resident layers are spread evenly
+//! *units* — consecutive [`pieces`] of one layer (row ranges of its matrices, at most
+//! [`PIECE_BYTES`] together) or rows of the output head — read with `O_DIRECT` through the I/O
+//! engine into a ring of [`SLOTS`] buffers, in compute order, ahead of the compute
+//! ([`crate::stream::WeightStream`]). A unit is no larger than a piece unless one layer's pieces
+//! are smaller (a small model's whole layer is one unit), so the ring holds tens of megabytes
+//! whatever the model's size. Resident layers are spread evenly
 //! between streamed ones so that reads overlap compute all through the token. The output head
 //! is kept before any layer (it is needed last, so streaming it leaves nothing to overlap with at
 //! the end of a token), row by row: when the whole head does not fit, its first rows fill the
@@ -25,14 +28,20 @@
 use std::fmt::Write as _;
 use std::ops::Range;
 
+mod pieces;
+mod sparse;
+
+pub use pieces::{PIECE_BYTES, Part, Piece, piece_matrices, pieces};
+pub use sparse::{DiskSpeeds, SparseFfn};
+
 use crate::forward::Model;
 use crate::io::{PAGE, align_down, align_up};
 use crate::kv::KvType;
 use crate::model::{LayerWeights, QRows, Weights};
 use crate::{Error, Result};
 
-/// Buffers of the streaming ring (one computed, one read ahead, one being read).
-pub use crate::stream::SLOTS;
+/// Buffers of the streaming ring: one computed, one read ahead, one being read.
+pub const SLOTS: usize = 3;
 
 /// Resident memory of the process besides anything the engine accounts: code and data pages
 /// of the binary and its libraries, thread stacks, allocator slack. Measured with `leanstream run`
@@ -55,8 +64,8 @@ pub enum Placement {
 /// One streamed read unit, in compute order within a token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum UnitKind {
-    /// Every matrix of layer `l`.
-    Layer(usize),
+    /// Consecutive pieces of layer `layer`.
+    Layer { layer: usize, pieces: Vec<Piece> },
     /// Rows `rows` of the output head.
     Head { rows: Range<usize> },
 }
@@ -104,6 +113,13 @@ pub struct Floor {
     pub session: u64,
     /// The streaming ring (0 when everything is resident).
     pub ring: u64,
+    /// The predictor's tables, when some FFN layers stream by neuron.
+    #[serde(default)]
+    pub predictor: u64,
+    /// The neuron cache of the layers that stream by neuron (its smallest size, one layer's
+    /// chunks, and whatever the plan gives it beyond).
+    #[serde(default)]
+    pub cache: u64,
 }
 
 /// Where every weight of a model goes under a budget, and what it costs per token.
@@ -132,6 +148,86 @@ pub struct Plan {
     pub dense_bytes_per_token: u64,
     /// Bytes of one embedding row.
     pub row_bytes: u64,
+    /// The largest piece the layers are cut into ([`pieces`]).
+    pub piece_bytes: usize,
+    /// Per layer: its FFN streams by neuron through the neuron cache (only the chunks the
+    /// predictor selects are read), not dense.
+    pub sparse_ffn: Vec<bool>,
+    /// Bytes the sparse layers are expected to read per token, through the cache.
+    pub sparse_bytes_per_token: u64,
+}
+
+/// Whether a plan may stream FFN layers by neuron: `auto` where that reads faster than dense
+/// (a calibrated `.lsm` only), `dense` never.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlacementPolicy {
+    #[default]
+    Auto,
+    Dense,
+}
+
+impl PlacementPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            PlacementPolicy::Auto => "auto",
+            PlacementPolicy::Dense => "dense",
+        }
+    }
+}
+
+impl std::fmt::Display for PlacementPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for PlacementPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(PlacementPolicy::Auto),
+            "dense" => Ok(PlacementPolicy::Dense),
+            other => Err(format!("unknown placement `{other}` (auto or dense)")),
+        }
+    }
+}
+
+/// How to plan, beyond the budget.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// The largest piece the layers are cut into ([`PIECE_BYTES`]).
+    pub piece_bytes: usize,
+    /// A calibrated `.lsm`'s FFN, whose layers may stream by neuron where that is faster
+    /// (`placement = auto`); `None` plans every layer dense (`placement = dense`).
+    pub sparse: Option<SparseFfn>,
+}
+
+impl PlanOptions {
+    /// How to plan the model at `path`: with its sparse FFN where `placement` allows it and the
+    /// file is a calibrated `.lsm` with per-neuron selection probabilities.
+    pub fn for_file(path: &std::path::Path, placement: PlacementPolicy) -> Result<PlanOptions> {
+        use crate::model::{Residency, SourceKind, lsm::LsmFile};
+        let sparse = match placement {
+            PlacementPolicy::Auto if SourceKind::detect(path)? == SourceKind::Lsm => {
+                SparseFfn::of(&LsmFile::open_with(path, Residency::Mapped)?, path)?
+            }
+            _ => None,
+        };
+        Ok(PlanOptions {
+            piece_bytes: PIECE_BYTES,
+            sparse,
+        })
+    }
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            piece_bytes: PIECE_BYTES,
+            sparse: None,
+        }
+    }
 }
 
 /// Sorted ranges, merged where closer than `gap` bytes.
@@ -152,11 +248,57 @@ fn range_of(q: &QRows) -> Range<u64> {
     r.start as u64..r.end as u64
 }
 
-fn layer_ranges(l: &LayerWeights) -> Vec<Range<u64>> {
-    merged(
-        l.matrices().iter().map(|q| range_of(q)).collect(),
-        MERGE_GAP,
-    )
+/// The file ranges of the pieces of `l` that a dense plan reads: all of them, or the
+/// attention's only when its FFN streams by neuron (`sparse`). From the pieces, not the
+/// matrices: a `.lsm` layer's FFN matrices are views of the whole streamed section.
+fn layer_ranges(l: &LayerWeights, sparse: bool, piece_bytes: usize) -> Vec<Range<u64>> {
+    let dense: Vec<Piece> = pieces(l, piece_bytes)
+        .into_iter()
+        .filter(|p| !(sparse && p.part.is_ffn()))
+        .collect();
+    piece_ranges(l, &dense)
+}
+
+/// The file ranges of `pieces` of `layer`, merged.
+fn piece_ranges(layer: &LayerWeights, pieces: &[Piece]) -> Vec<Range<u64>> {
+    let ranges = pieces
+        .iter()
+        .flat_map(|p| piece_matrices(layer, p).expect("the layer's own pieces"))
+        .map(|m| range_of(&m))
+        .collect();
+    merged(ranges, MERGE_GAP)
+}
+
+/// The units a streamed layer is read in: its pieces (of at most `piece_bytes`) in order, packed
+/// while the unit's read stays within `piece_bytes` (a piece larger than that is a unit alone).
+fn layer_units(l: usize, layer: &LayerWeights, piece_bytes: usize, sparse: bool) -> Vec<Unit> {
+    let mut units = Vec::new();
+    let mut group: Vec<Piece> = Vec::new();
+    let unit = |group: Vec<Piece>| {
+        let exact = piece_ranges(layer, &group);
+        Unit {
+            kind: UnitKind::Layer {
+                layer: l,
+                pieces: group,
+            },
+            reads: aligned(&exact),
+            end: exact.last().map_or(0, |r| r.end),
+        }
+    };
+    for p in pieces(layer, piece_bytes) {
+        if sparse && p.part.is_ffn() {
+            continue;
+        }
+        group.push(p);
+        if group.len() > 1 && total(&aligned(&piece_ranges(layer, &group))) > piece_bytes as u64 {
+            let last = group.pop().expect("just pushed");
+            units.push(unit(std::mem::replace(&mut group, vec![last])));
+        }
+    }
+    if !group.is_empty() {
+        units.push(unit(group));
+    }
+    units
 }
 
 fn aligned(ranges: &[Range<u64>]) -> Vec<Range<u64>> {
@@ -182,7 +324,13 @@ fn spread(n: usize, k: usize) -> Vec<bool> {
 impl Floor {
     /// Every part together.
     pub fn total(&self) -> u64 {
-        self.runtime + self.tokenizer + self.tables + self.session + self.ring
+        self.runtime
+            + self.tokenizer
+            + self.tables
+            + self.session
+            + self.ring
+            + self.predictor
+            + self.cache
     }
 
     /// The floor of serving `model` with one session of `context` tokens in `kv`, without the
@@ -196,7 +344,7 @@ impl Floor {
             tables: w.bytes().heap,
             session: crate::forward::session_open_bytes(model, context, kv)
                 + crate::kv::KvCache::full_bytes(kv, c.n_layers, c.kv_dim(), context),
-            ring: 0,
+            ..Floor::default()
         }
     }
 
@@ -216,6 +364,111 @@ impl Plan {
     /// (its `ring` is filled in here). Errors, naming the bytes, if the budget cannot hold the
     /// floor and the ring.
     pub fn new(w: &Weights, budget: u64, floor: Floor) -> Result<Plan> {
+        Plan::in_pieces(w, budget, floor, PIECE_BYTES)
+    }
+
+    /// [`Plan::new`] with the layers cut into pieces of at most `piece_bytes`.
+    pub fn in_pieces(w: &Weights, budget: u64, floor: Floor, piece_bytes: usize) -> Result<Plan> {
+        let opts = PlanOptions {
+            piece_bytes,
+            ..PlanOptions::default()
+        };
+        Plan::with_options(w, budget, floor, &opts)
+    }
+
+    /// The plan for `w` in `budget` as `opts` say. With a sparse FFN, a model that does not fit
+    /// streams by neuron the layers where that reads faster than dense (their FFN is then
+    /// neither resident nor in the ring); the neuron cache first takes the chunks worth more
+    /// than a resident dense byte, then what the dense placement leaves.
+    pub fn with_options(
+        w: &Weights,
+        budget: u64,
+        mut floor: Floor,
+        opts: &PlanOptions,
+    ) -> Result<Plan> {
+        let c = &w.config;
+        let dense_layers = |sparse: &[bool]| -> u64 {
+            w.layers
+                .iter()
+                .zip(sparse)
+                .map(|(l, &s)| total(&layer_ranges(l, s, opts.piece_bytes)))
+                .sum()
+        };
+        let fits = |sparse: &[bool]| {
+            let head = range_of(&w.output);
+            let embd = if c.tied_embeddings {
+                0
+            } else {
+                total(&[range_of(&w.token_embd)])
+            };
+            head.end - head.start + embd + dense_layers(sparse)
+                <= budget.saturating_sub(floor.total())
+        };
+        let none = vec![false; c.n_layers];
+        let sparse_ffn: Vec<bool> = match &opts.sparse {
+            Some(s) if !fits(&none) => w
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(l, layer)| {
+                    let ffn = total(&layer_ranges(layer, false, opts.piece_bytes))
+                        - total(&layer_ranges(layer, true, opts.piece_bytes));
+                    s.pays(l, ffn)
+                })
+                .collect(),
+            _ => none,
+        };
+        let sparse_layers: Vec<usize> = (0..c.n_layers).filter(|&l| sparse_ffn[l]).collect();
+        let mut hot = 0;
+        if let Some(s) = opts.sparse.as_ref().filter(|_| !sparse_layers.is_empty()) {
+            floor.predictor = s.predictor_bytes;
+            floor.cache = s.cache_floor_bytes;
+            // The hottest chunks are worth more than any resident dense byte: they go first,
+            // within the room the dense placement leaves beside its ring.
+            let units = w
+                .layers
+                .iter()
+                .enumerate()
+                .flat_map(|(l, layer)| layer_units(l, layer, opts.piece_bytes, sparse_ffn[l]));
+            let ring = SLOTS as u64 * units.map(|u| u.bytes()).max().unwrap_or(0);
+            let room = budget.saturating_sub(floor.total() + ring);
+            hot = s
+                .hot_bytes(&sparse_layers)
+                .saturating_sub(floor.cache)
+                .min(room);
+        }
+        // The dense placement may need a little more than the ring estimated (a streamed head's
+        // pieces are a page wider): give the hot chunks back a quarter at a time until it fits.
+        let mut plan = loop {
+            let with_hot = Floor {
+                cache: floor.cache + hot,
+                ..floor
+            };
+            match Plan::dense(w, budget, with_hot, opts.piece_bytes, &sparse_ffn) {
+                Err(Error::OverBudget { .. }) if hot > 0 => {
+                    hot = align_down(hot / 4 * 3, PAGE as u64)
+                }
+                other => break other?,
+            }
+        };
+        if let Some(s) = opts.sparse.as_ref().filter(|_| !sparse_layers.is_empty()) {
+            // What the dense placement left goes to the cache too.
+            let left = budget.saturating_sub(plan.planned_bytes());
+            let all = s.all_bytes(&sparse_layers);
+            plan.floor.cache = (plan.floor.cache + left).min(all.max(plan.floor.cache));
+            plan.sparse_bytes_per_token = s.miss_bytes(&sparse_layers, plan.floor.cache) as u64;
+        }
+        Ok(plan)
+    }
+
+    /// The dense placement of everything but the FFN of the layers `sparse_ffn` marks.
+    fn dense(
+        w: &Weights,
+        budget: u64,
+        floor: Floor,
+        piece_bytes: usize,
+        sparse_ffn: &[bool],
+    ) -> Result<Plan> {
         let c = &w.config;
         let head_range = range_of(&w.output);
         let head_bytes = head_range.end - head_range.start;
@@ -225,7 +478,12 @@ impl Plan {
             let r = range_of(&w.token_embd);
             r.end - r.start
         };
-        let layer_reads: Vec<Vec<Range<u64>>> = w.layers.iter().map(layer_ranges).collect();
+        let layer_reads: Vec<Vec<Range<u64>>> = w
+            .layers
+            .iter()
+            .zip(sparse_ffn)
+            .map(|(l, &s)| layer_ranges(l, s, piece_bytes))
+            .collect();
         let layer_bytes: Vec<u64> = layer_reads.iter().map(|r| total(r)).collect();
         let all = head_bytes + embd_bytes + layer_bytes.iter().sum::<u64>();
         let dense_bytes_per_token = w.dense_bytes_per_token() as u64;
@@ -243,6 +501,9 @@ impl Plan {
             resident_ranges: Vec::new(),
             dense_bytes_per_token,
             row_bytes: w.token_embd.row_bytes() as u64,
+            piece_bytes,
+            sparse_ffn: sparse_ffn.to_vec(),
+            sparse_bytes_per_token: 0,
         };
         let weights_room = budget.saturating_sub(floor.total());
         if all > weights_room {
@@ -260,10 +521,16 @@ impl Plan {
         head_bytes: u64,
         layer_reads: &[Vec<Range<u64>>],
     ) -> Result<()> {
-        let layer_units: Vec<u64> = layer_reads.iter().map(|r| total(&aligned(r))).collect();
-        let slot = layer_units
+        let units: Vec<Vec<Unit>> = w
+            .layers
             .iter()
-            .copied()
+            .enumerate()
+            .map(|(l, layer)| layer_units(l, layer, self.piece_bytes, self.sparse_ffn[l]))
+            .collect();
+        let slot = units
+            .iter()
+            .flatten()
+            .map(Unit::bytes)
             .max()
             .unwrap_or(0)
             .max(PAGE as u64);
@@ -287,12 +554,22 @@ impl Plan {
                 budget: self.budget,
                 what: format!(
                     "the smallest plan: runtime {} + tokenizer {} + tables {} + session {} + ring \
-                     of {SLOTS} × {} (largest layer or head piece)",
+                     of {SLOTS} × {} (largest unit: layer pieces or head rows){}",
                     mib(self.floor.runtime),
                     mib(self.floor.tokenizer),
                     mib(self.floor.tables),
                     mib(self.floor.session),
-                    mib(self.slot_bytes)
+                    mib(self.slot_bytes),
+                    if self.floor.cache > 0 {
+                        format!(
+                            " + predictor {} + neuron cache {} (the chunks of one layer, and \
+                             those selected more often than a dense byte is worth)",
+                            mib(self.floor.predictor),
+                            mib(self.floor.cache)
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
             });
         }
@@ -318,14 +595,10 @@ impl Plan {
             .max(1);
         let k = ((room / largest) as usize).min(self.layers.len());
         let keep = spread(self.layers.len(), k);
-        for (l, keep) in keep.into_iter().enumerate() {
+        for ((l, keep), units) in keep.into_iter().enumerate().zip(units) {
             if !keep {
                 self.layers[l] = Placement::Streamed;
-                self.units.push(Unit {
-                    kind: UnitKind::Layer(l),
-                    reads: aligned(&layer_reads[l]),
-                    end: layer_reads[l].last().map_or(0, |r| r.end),
-                });
+                self.units.extend(units);
             }
         }
         if self.head == Placement::Streamed {
@@ -398,11 +671,22 @@ impl Plan {
         self.floor.total() + self.resident_bytes
     }
 
-    /// Tokens per second if reading the streamed bytes at `disk_bytes_per_s` were the only
-    /// cost (`None` when nothing streams).
-    pub fn io_bound_tok_s(&self, disk_bytes_per_s: f64) -> Option<f64> {
-        let b = self.streamed_bytes_per_token();
-        (self.streams() && b > 0).then(|| disk_bytes_per_s / b as f64)
+    /// Bytes read per decoded token: the dense stream and the sparse layers' expected misses.
+    pub fn read_bytes_per_token(&self) -> u64 {
+        self.streamed_bytes_per_token() + self.sparse_bytes_per_token
+    }
+
+    /// Whether any layer's FFN streams by neuron.
+    pub fn is_sparse(&self) -> bool {
+        self.sparse_ffn.iter().any(|&s| s)
+    }
+
+    /// Tokens per second if reading were the only cost: the dense stream at `disk.dense` and
+    /// the sparse misses at `disk.sparse` (`None` when nothing is read).
+    pub fn io_bound_tok_s(&self, disk: DiskSpeeds) -> Option<f64> {
+        let seconds = self.streamed_bytes_per_token() as f64 / disk.dense
+            + self.sparse_bytes_per_token as f64 / disk.sparse;
+        ((self.streams() || self.is_sparse()) && seconds > 0.0).then(|| 1.0 / seconds)
     }
 
     /// The placement as a human-readable table.
@@ -425,6 +709,10 @@ impl Plan {
             mib(f.ring),
             mib(self.slot_bytes)
         );
+        if self.is_sparse() {
+            let _ = writeln!(s, "  predictor       {:>10}", mib(f.predictor));
+            let _ = writeln!(s, "  neuron cache    {:>10}", mib(f.cache));
+        }
         let _ = writeln!(s, "  resident weights{:>10}", mib(self.resident_bytes));
         let _ = writeln!(s, "  planned total   {:>10}", mib(self.planned_bytes()));
         let _ = write!(s, "output head       {:?}", self.head);
@@ -450,11 +738,25 @@ impl Plan {
                 String::new()
             }
         );
+        if self.is_sparse() {
+            let _ = writeln!(
+                s,
+                "FFN by neuron     {} of {} layers ({})",
+                self.sparse_ffn.iter().filter(|&&x| x).count(),
+                self.sparse_ffn.len(),
+                self.sparse_ffn
+                    .iter()
+                    .map(|&x| if x { 'n' } else { 'd' })
+                    .collect::<String>()
+            );
+        }
         let _ = writeln!(
             s,
-            "read per token    {:>10}  of {} dense",
+            "read per token    {:>10}  of {} dense ({} streamed dense, {} by neuron)",
+            mib(self.read_bytes_per_token()),
+            mib(self.dense_bytes_per_token),
             mib(self.streamed_bytes_per_token()),
-            mib(self.dense_bytes_per_token)
+            mib(self.sparse_bytes_per_token)
         );
         s
     }
@@ -525,7 +827,7 @@ mod tests {
     #[test]
     fn slot_offsets_follow_the_reads() {
         let u = Unit {
-            kind: UnitKind::Layer(0),
+            kind: UnitKind::Head { rows: 0..1 },
             reads: vec![4096..8192, 16384..24576],
             end: 20000,
         };
