@@ -278,10 +278,12 @@ pub struct ModelMemory {
     pub cache_floor_bytes: u64,
     /// The cache the configuration asks for (`cache_share` of the streamed FFN bytes).
     pub cache_wanted_bytes: u64,
-    /// How the model runs: `dense`, `mmap`, `on-demand`, `prefetch` or `leanstream`.
+    /// How the model runs: `dense`, `mmap`, `on-demand`, `prefetch` or `leanstream`; or
+    /// `dense+neuron`: a model under `max_bytes` whose plan streams FFN layers by neuron.
     pub mode: String,
-    /// Bytes of dense weights the memory planner reads from storage for every token (a `dense`
-    /// model loaded under `max_bytes` that does not fit it whole); 0 when every weight is resident.
+    /// Bytes of weights the memory planner reads from storage for every token (a `dense` model
+    /// loaded under `max_bytes` that does not fit it whole): dense pieces, plus the expected
+    /// misses of FFN layers streamed by neuron; 0 when every weight is resident.
     pub streamed_bytes_per_token: u64,
     /// Seconds since its last session closed, for a model kept loaded without sessions by its
     /// `keep_alive`; 0 while it has sessions, or is pinned.

@@ -497,6 +497,50 @@ mod tests {
     }
 
     #[test]
+    fn max_bytes_with_placement_auto_streams_sparse_layers_by_neuron_inside_it() {
+        let fx = Fixture::new();
+        let file = fx.synth_lsm("synth", 0.9);
+        let (full_fp, _) = load(&file, &fx.params("")).unwrap();
+        let max = full_fp.resident_bytes * 9 / 10;
+        let run = |placement: &str| {
+            let params = fx.params(&format!(
+                "[models.synth]\nmax_bytes = {max}\nplacement = \"{placement}\"\n"
+            ));
+            let (fp, model) = load(&file, &params).unwrap();
+            assert_eq!(fp.resident_bytes, max, "the reservation is max_bytes");
+            let plan = model.model.plan().unwrap().clone();
+            assert!(plan.planned_bytes() <= max, "{placement}: {plan:?}");
+            let mut s = model
+                .open_session(16, Precision::Exact, KvType::F32)
+                .unwrap();
+            let ids: Vec<u32> = (1..6u32)
+                .map(|t| {
+                    let logits = match &model.ffn {
+                        Some(exec) => s.forward_with(t, &mut *exec.lock().unwrap()),
+                        None => s.forward(t),
+                    };
+                    leanstream_engine::sample::argmax(logits.unwrap())
+                })
+                .collect();
+            (plan, model, ids)
+        };
+        let (dense_plan, dense, _) = run("dense");
+        assert!(!dense_plan.is_sparse() && dense.ffn.is_none());
+        let (plan, sparse, ids) = run("auto");
+        assert!(
+            plan.is_sparse(),
+            "sparsity 0.9 pays by neuron: {:?}",
+            plan.sparse_ffn
+        );
+        assert!(plan.read_bytes_per_token() < dense_plan.read_bytes_per_token());
+        assert_eq!(ids.len(), 5);
+        // The cache is the plan's, inside max_bytes: the arbiter neither sees nor resizes it.
+        assert!(sparse.ffn.is_some());
+        assert_eq!(sparse.cache_held(), None);
+        assert!(sparse.resize_cache(0).is_none());
+    }
+
+    #[test]
     fn a_streaming_mode_accounts_the_resident_part_and_its_cache() {
         let fx = Fixture::new();
         let file = fx.lsm("tiny", None);

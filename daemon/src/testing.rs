@@ -72,6 +72,24 @@ impl Fixture {
         models::resolve(&self.models(), name).unwrap()
     }
 
+    /// Writes `models/NAME.lsm`: a synthetic model of four tiny layers with one-neuron bundles
+    /// and planted sparsity `sparsity`, calibrated by construction (per-neuron selection
+    /// probabilities included), and returns it.
+    pub fn synth_lsm(&self, name: &str, sparsity: f32) -> ModelFile {
+        use leanstream_engine::model::lsm::synth::{
+            SynthOptions, SynthShape, SynthTokenizer, synthesize,
+        };
+        let mut opts = SynthOptions::new(SynthShape {
+            n_layers: 4,
+            ..SynthShape::TINY
+        });
+        opts.sparsity = sparsity;
+        opts.chunk_neurons = 1;
+        let path = self.models().join(format!("{name}.lsm"));
+        synthesize(&path, &opts, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap();
+        models::resolve(&self.models(), name).unwrap()
+    }
+
     /// Validated parameters: `[models] dir` is the fixture's, then `toml` (e.g. `[models.NAME]`
     /// tables); precision is exact by default.
     pub fn params(&self, toml: &str) -> Params {

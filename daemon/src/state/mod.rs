@@ -1138,12 +1138,28 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// What the memory planner reads per token for model `name` (0 when it is not loaded, or
-    /// keeps every weight resident).
+    /// What the memory planner reads per token for model `name`: dense pieces and, where it
+    /// streams FFN layers by neuron, the expected misses (0 when it is not loaded, or keeps every
+    /// weight resident).
     fn streamed_bytes_per_token(&self, name: &str) -> u64 {
         match self.models.get(name).map(|e| &e.slot) {
-            Some(Slot::Ready(m)) => m.model.plan().map_or(0, |p| p.streamed_bytes_per_token()),
+            Some(Slot::Ready(m)) => m.model.plan().map_or(0, |p| p.read_bytes_per_token()),
             _ => 0,
+        }
+    }
+
+    /// How model `name` runs: its configured mode, or `dense+neuron` for a model whose plan
+    /// streams FFN layers by neuron.
+    fn mode_name(&self, name: &str) -> String {
+        if name.starts_with("(unloading ") {
+            return "unloading".into();
+        }
+        match self.models.get(name).map(|e| &e.slot) {
+            Some(Slot::Ready(m)) if m.model.plan().is_some_and(|p| p.is_sparse()) => {
+                "dense+neuron".into()
+            }
+            // Params never change, so this is the mode the model was loaded in.
+            _ => self.params.model(name).mode.name().into(),
         }
     }
 
@@ -1193,12 +1209,7 @@ impl<M: Memory> State<M> {
                     cache_bytes: m.cache,
                     cache_floor_bytes: m.cache_floor,
                     cache_wanted_bytes: m.cache_wanted,
-                    // Params never change, so this is the mode the model was loaded in.
-                    mode: if m.name.starts_with("(unloading ") {
-                        "unloading".to_string()
-                    } else {
-                        self.params.model(&m.name).mode.name().to_string()
-                    },
+                    mode: self.mode_name(&m.name),
                     streamed_bytes_per_token: self.streamed_bytes_per_token(&m.name),
                     idle_seconds: self.idle_for(&m.name).map_or(0, |idle| idle.as_secs()),
                     unload_in_seconds: self.unload_in_seconds(&m.name),
