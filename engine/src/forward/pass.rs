@@ -258,6 +258,9 @@ impl Pass<'_> {
         let (proj, partials) = (&mut s.proj[..n * d], &mut s.partials);
         let activation = c.activation;
         let mut first = true;
+        // A later piece's down sum, added to the first's: sized once, only for a layer cut in
+        // several pieces of neurons.
+        let mut sum: Vec<f32> = Vec::new();
         pieces.each(&[Part::GateUp, Part::Neurons], &mut |views| {
             for v in views {
                 gate_up(k, x, n, n_ff, v, &mut *gate, &mut *up, activation);
@@ -268,7 +271,7 @@ impl Pass<'_> {
                         if first {
                             cpu::down_neurons(k, &v.m[2], act, partials, out);
                         } else {
-                            let mut sum = vec![0.0; d];
+                            sum.resize(d, 0.0);
                             cpu::down_neurons(k, &v.m[2], act, partials, &mut sum);
                             cpu::add_inplace(out, &sum);
                         }
