@@ -249,7 +249,8 @@ pub struct ChatTurn {
     pub content: String,
 }
 
-/// What a loaded model holds, by part (all 0 while it loads or unloads).
+/// What a loaded model holds, by part, and where its weights are placed (all 0 while it loads or
+/// unloads).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct ModelParts {
     /// Weight bytes read into memory (the file image; a streaming model's streamed FFN section
@@ -261,6 +262,12 @@ pub struct ModelParts {
     pub tables: u64,
     /// The memory planner's weight-stream ring (0 when every dense weight is resident).
     pub ring: u64,
+    /// Weight bytes the memory planner streams whole through the ring every token (the dense
+    /// pieces it does not keep resident); 0 when the model has no plan or keeps them all.
+    pub streamed_whole: u64,
+    /// Weight bytes of the FFN layers the memory planner streams by neuron through the neuron
+    /// cache (only the chunks the predictor selects are read); 0 when none is.
+    pub streamed_sparse: u64,
 }
 
 /// Memory held by one model (shared by all its sessions).
@@ -291,7 +298,8 @@ pub struct ModelMemory {
     /// Seconds until it unloads on its own (its `keep_alive` running out); -1 when it will
     /// not: it has sessions, is pinned (`LoadModel`, `preload`), or has `keep_alive = -1`.
     pub unload_in_seconds: i64,
-    /// The loaded model's bytes by part (the floor the memory planner counts besides weights).
+    /// The loaded model's bytes by part (the floor the memory planner counts besides weights),
+    /// and the weight bytes its plan streams whole and by neuron.
     pub parts: ModelParts,
 }
 

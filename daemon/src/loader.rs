@@ -21,7 +21,7 @@ use leanstream_engine::generate::Decode;
 use leanstream_engine::kv::{KvPrefix, KvType};
 use leanstream_engine::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use leanstream_engine::model::{load_bytes_estimate, map_file};
-use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
+use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, Policy, SparseModel};
 use leanstream_engine::process::rss_bytes;
 
 use crate::config::{Backend, ModelParams, Params};
@@ -322,28 +322,9 @@ impl LoadedModel {
                     plan.floor.cache
                 );
             }
-            let ffn = match model.plan().filter(|p| p.is_sparse()) {
-                Some(plan) => {
-                    let sm = SparseModel::over(Arc::clone(&model)).map_err(failed)?;
-                    let mut exec = Executor::new(
-                        &sm,
-                        ExecutorOptions {
-                            mode: Mode::LeanStream,
-                            policy: None,
-                            cache_bytes: plan.floor.cache as usize,
-                            io_threads: params.io_threads,
-                            io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-                            precision: params.precision,
-                            predictor: Some(PredictorKind::DEFAULT),
-                            verify_chunks: true,
-                        },
-                    )
-                    .map_err(failed)?;
-                    exec.only_layers(&plan.sparse_ffn).map_err(failed)?;
-                    Some(exec)
-                }
-                None => None,
-            };
+            let leanstream = Policy::for_mode(Mode::LeanStream).expect("a cache-backed mode");
+            let ffn = Executor::for_plan(&model, leanstream, params.io_threads, params.precision)
+                .map_err(failed)?;
             (model, ffn)
         } else {
             let sm = open_sparse(file, p)?;

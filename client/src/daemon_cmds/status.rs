@@ -5,8 +5,9 @@ use leanstream::contract::{MemoryReport, ModelInfo, ModelParts};
 
 use crate::table::{Align, bytes, render};
 
-/// The memory report as text: the budget line, then one table each for models, sessions and
-/// clients (a table with no rows says `(none)`).
+/// The memory report as text: the budget line, then one table each for models, loaded models by
+/// placement (weights resident, streamed whole through the ring, streamed by neuron) and part,
+/// sessions and clients (a table with no rows says `(none)`).
 pub fn format_status(report: &MemoryReport) -> String {
     let percent = if report.budget_bytes == 0 {
         0.0
@@ -69,10 +70,12 @@ pub fn format_status(report: &MemoryReport) -> String {
             .collect(),
     );
     section(
-        "loaded models by part",
+        "loaded models by placement and part",
         &[
             ("MODEL", Align::Left),
             ("WEIGHTS", Align::Right),
+            ("STREAMED WHOLE", Align::Right),
+            ("STREAMED SPARSE", Align::Right),
             ("TOKENIZER", Align::Right),
             ("TABLES", Align::Right),
             ("RING", Align::Right),
@@ -86,6 +89,8 @@ pub fn format_status(report: &MemoryReport) -> String {
                 vec![
                     m.name.clone(),
                     bytes(p.weights),
+                    bytes(p.streamed_whole),
+                    bytes(p.streamed_sparse),
                     bytes(p.tokenizer),
                     bytes(p.tables),
                     bytes(p.ring),
@@ -213,6 +218,8 @@ mod tests {
                         tokenizer: 2 << 20,
                         tables: 1 << 19,
                         ring: 0,
+                        streamed_whole: 0,
+                        streamed_sparse: 0,
                     },
                 },
                 ModelMemory {
@@ -221,7 +228,7 @@ mod tests {
                     cache_bytes: 0,
                     cache_floor_bytes: 0,
                     cache_wanted_bytes: 0,
-                    mode: "dense".into(),
+                    mode: "dense+neuron".into(),
                     streamed_bytes_per_token: 21 << 20,
                     idle_seconds: 12,
                     unload_in_seconds: 288,
@@ -230,6 +237,8 @@ mod tests {
                         tokenizer: 2 << 20,
                         tables: 1 << 19,
                         ring: 6 << 20,
+                        streamed_whole: 18 << 20,
+                        streamed_sparse: 40 << 20,
                     },
                 },
             ],
@@ -268,14 +277,14 @@ mod tests {
 budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB; process resident 221.0 MiB
 
 models
-MODEL          MODE         RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN  IDLE  UNLOADS IN
-smollm2        leanstream  100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -
-smollm2-small  dense        30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s
+MODEL          MODE           RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN  IDLE  UNLOADS IN
+smollm2        leanstream    100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -
+smollm2-small  dense+neuron   30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s
 
-loaded models by part
-MODEL           WEIGHTS  TOKENIZER     TABLES     RING
-smollm2        90.0 MiB    2.0 MiB  512.0 KiB      0 B
-smollm2-small  20.0 MiB    2.0 MiB  512.0 KiB  6.0 MiB
+loaded models by placement and part
+MODEL           WEIGHTS  STREAMED WHOLE  STREAMED SPARSE  TOKENIZER     TABLES     RING
+smollm2        90.0 MiB             0 B              0 B    2.0 MiB  512.0 KiB      0 B
+smollm2-small  20.0 MiB        18.0 MiB         40.0 MiB    2.0 MiB  512.0 KiB  6.0 MiB
 
 sessions
 SESSION     MODEL    CLIENT    MEMORY
@@ -305,7 +314,7 @@ CLIENT  SESSIONS    MEMORY
             text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B; process resident 0 B\n"),
             "{text}"
         );
-        // models, models by part, sessions, clients
+        // models, models by placement and part, sessions, clients
         assert_eq!(text.matches("(none)").count(), 4, "{text}");
     }
 
@@ -319,6 +328,9 @@ CLIENT  SESSIONS    MEMORY
         );
         assert_eq!(value["clients"][1]["client"], ":1.7");
         assert_eq!(value["models"][1]["parts"]["ring"], 6u64 << 20);
+        assert_eq!(value["models"][1]["parts"]["streamed_whole"], 18u64 << 20);
+        assert_eq!(value["models"][1]["parts"]["streamed_sparse"], 40u64 << 20);
+        assert_eq!(value["models"][0]["parts"]["streamed_sparse"], 0);
     }
 
     #[test]

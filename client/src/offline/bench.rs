@@ -93,6 +93,15 @@ pub struct BenchArgs {
     /// (`scripts/build-llama` makes one).
     #[arg(long)]
     pub peer_llama: Option<PathBuf>,
+    /// Capped bench: LeanStream's rows at each cap: `unified` (placement auto), `planned-dense`
+    /// (placement dense), or a sparse policy of the FFN layers streamed by neuron (`on-demand`,
+    /// `prefetch`, `leanstream`, or an ablation step: `serial`, `overlapped`, `refined-load`,
+    /// `refined-retention`).
+    #[arg(long, value_delimiter = ',', default_value = "unified,planned-dense", value_parser = capped::parse_engine)]
+    pub engines: Vec<capped::Engine>,
+    /// Capped bench: runs of every row, interleaved; tables show the median run.
+    #[arg(long, default_value_t = 1)]
+    pub runs: usize,
     /// Capped bench: prompts per row (the first N of the prompt set).
     #[arg(long, default_value_t = 3)]
     pub capped_prompts: usize,
@@ -253,6 +262,8 @@ fn run_capped(args: &BenchArgs, prompts: Vec<String>) -> anyhow::Result<()> {
         model: args.model.clone(),
         gguf,
         caps: args.memory_cap.clone(),
+        engines: args.engines.clone(),
+        runs: args.runs,
         prompts: prompts
             .into_iter()
             .take(args.capped_prompts.max(1))

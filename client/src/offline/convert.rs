@@ -9,9 +9,12 @@ use leanstream_engine::quant::DType;
 
 #[derive(Clone, Copy, Debug, Default, ValueEnum)]
 pub enum DownType {
-    /// ~1.06 bytes per value, relative RMS error ~4e-3 (the default: see `docs/lsm.md`
-    /// and `docs/bench/sparse.md` for the measured effect on perplexity).
+    /// q8_0, unless q5_0 makes a chunk cost fewer bytes per neuron (its bundles fit fewer
+    /// pages: 7B shapes, not SmolLM2's or Gemma 3's).
     #[default]
+    Auto,
+    /// ~1.06 bytes per value, relative RMS error ~4e-3 (see `docs/lsm.md` and
+    /// `docs/bench/sparse.md` for the measured effect on perplexity).
     #[value(name = "q8_0")]
     Q8_0,
     /// ~0.69 bytes per value: smaller neuron bundles, so more neurons per read.
@@ -45,6 +48,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     let opts = lsm::ConvertOptions {
         chunk_neurons: args.chunk_neurons,
         down_dtype: match args.down_type {
+            DownType::Auto => lsm::default_down_dtype(&model, args.chunk_neurons)?,
             DownType::F16 => DType::F16,
             DownType::Q8_0 => DType::Q8_0,
             DownType::Q5_0 => DType::Q5_0,

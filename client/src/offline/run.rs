@@ -9,13 +9,11 @@ use clap::Args;
 use leanstream_engine::backend::select::{BackendChoice, open_decoder};
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
-use std::sync::Arc;
 
 use leanstream_engine::forward::Model;
 use leanstream_engine::generate::{Decode, generate_constrained};
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::lsm::PredictorKind;
-use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel, WithFfn};
+use leanstream_engine::pipeline::{Executor, Policy, WithFfn};
 use leanstream_engine::plan::PlacementPolicy;
 use leanstream_engine::sample::SamplerConfig;
 use leanstream_engine::tokenizer::TextStream;
@@ -77,6 +75,11 @@ pub struct RunArgs {
     /// neuron where that reads faster than dense; `dense` never does.
     #[arg(long, default_value_t = PlacementPolicy::Auto, requires = "memory_budget")]
     pub placement: PlacementPolicy,
+    /// How the FFN layers a plan streams by neuron are read, computed and cached: `leanstream`
+    /// (speculate and refine), the presets `on-demand` and `prefetch`, or a step of the
+    /// ablation (`serial`, `overlapped`, `refined-load`, `refined-retention`).
+    #[arg(long, default_value = "leanstream", value_parser = Policy::named)]
+    pub sparse_policy: Policy,
     /// Constrain the output to the JSON Schema in FILE: the text is one line of JSON that
     /// validates against it (unless `--max-tokens` cuts it short, which is reported).
     #[arg(long, value_name = "FILE", conflicts_with = "grammar")]
@@ -155,25 +158,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     let backend = super::resolve_backend(args.backend)?;
     // A plan that streams FFN layers by neuron runs them through its sparse executor.
-    let mut exec = match model.plan().filter(|p| p.is_sparse()) {
-        Some(plan) => {
-            let sm = SparseModel::over(Arc::clone(&model))?;
-            let opts = ExecutorOptions {
-                mode: Mode::LeanStream,
-                policy: None,
-                cache_bytes: plan.floor.cache as usize,
-                io_threads: 4,
-                io_gap_bytes: leanstream_engine::io::DEFAULT_MAX_GAP_BYTES,
-                precision: args.precision.into(),
-                predictor: Some(PredictorKind::DEFAULT),
-                verify_chunks: true,
-            };
-            let mut exec = Executor::new(&sm, opts)?;
-            exec.only_layers(&plan.sparse_ffn)?;
-            Some(exec)
-        }
-        None => None,
-    };
+    let mut exec = Executor::for_plan(&model, args.sparse_policy, 4, args.precision.into())?;
     let decoder = open_decoder(
         backend,
         &model,
@@ -207,6 +192,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
+    // Bytes the dense stream had read when the first token came out of the prefill: what it
+    // reads after that is decode's.
+    let stream_bytes = || {
+        model
+            .stream_stats()
+            .map_or(0, |s| s.bytes_read + s.row_bytes_read)
+    };
+    let mut after_prefill = None;
     let generation = generate_constrained(
         &mut *session,
         &prompt_ids,
@@ -215,6 +208,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         &eos,
         constraint.as_mut(),
         |id| {
+            after_prefill.get_or_insert_with(stream_bytes);
             // The end-of-generation token is not part of the text (as in the daemon's stream).
             if args.json || eos.contains(&id) {
                 return true;
@@ -236,6 +230,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let stats = &generation.stats;
     let peak = leanstream_engine::process::peak_rss_bytes();
+    let session_bytes = session.bytes();
+    let decode_passes = stats.generated_tokens.saturating_sub(1).max(1) as f64;
+    let stream_per_token =
+        stream_bytes().saturating_sub(after_prefill.unwrap_or(0)) as f64 / decode_passes;
+    // The sparse layers run token by token in the prefill too: their reads per token are
+    // averaged over every token they saw.
+    let sparse_per_token = sparse.as_ref().map_or(0.0, |s| {
+        let p = s.exec.stats();
+        p.bytes_read as f64 / p.tokens.max(1) as f64
+    });
     // Whether the constrained text is whole (`None` without a constraint).
     let complete = constraint.as_mut().map(|c| c.is_complete());
     if complete == Some(false) && !args.json {
@@ -267,7 +271,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "generated_tokens": stats.generated_tokens,
                 "precision": format!("{:?}", args.precision).to_lowercase(),
                 "kv_type": args.kv_type.name(),
-                "session_bytes": session.bytes(),
+                "session_bytes": session_bytes,
                 "backend": backend.name(),
                 "kernel": leanstream_engine::backend::cpu::kernel_name(),
             },
@@ -278,6 +282,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "floor": p.floor,
                 "resident_weight_bytes": p.resident_bytes,
                 "streamed_bytes_per_token": p.streamed_bytes_per_token(),
+                "read_bytes_per_token": p.read_bytes_per_token(),
                 "streamed_layers": p.layers.iter().filter(|l| **l == leanstream_engine::plan::Placement::Streamed).count(),
                 "head": format!("{:?}", p.head).to_lowercase(),
                 "head_resident_rows": p.head_resident_rows,
@@ -285,6 +290,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "sparse_bytes_per_token": p.sparse_bytes_per_token,
                 "cache_bytes": p.floor.cache,
             })),
+            "read_bytes_per_token": {
+                "stream": stream_per_token,
+                "sparse": sparse_per_token,
+                "total": stream_per_token + sparse_per_token,
+            },
             "stream": model.stream_stats().map(|s| json!({
                 "bytes_read": s.bytes_read,
                 "wait_s": s.wait_ns as f64 * 1e-9,

@@ -288,6 +288,8 @@ impl MockManager {
                     tokenizer: 1 << 20,
                     tables: 1 << 16,
                     ring: 0,
+                    streamed_whole: 0,
+                    streamed_sparse: 0,
                 },
             }],
             sessions: vec![],

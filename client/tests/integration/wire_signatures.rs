@@ -18,12 +18,12 @@ fn wire_types_have_the_documented_signatures() {
     assert_eq!(sig::<GenerateParams>(), "(ududdtassssuu)");
     assert_eq!(sig::<ChatTurn>(), "(ss)");
     assert_eq!(sig::<Vec<ChatTurn>>(), "a(ss)");
-    assert_eq!(sig::<ModelMemory>(), "(sttttsttx(tttt))");
+    assert_eq!(sig::<ModelMemory>(), "(sttttsttx(tttttt))");
     assert_eq!(sig::<SessionMemory>(), "(osst)");
     assert_eq!(sig::<ClientMemory>(), "(sut)");
     assert_eq!(
         sig::<MemoryReport>(),
-        "(ttta(sttttsttx(tttt))a(osst)a(sut))"
+        "(ttta(sttttsttx(tttttt))a(osst)a(sut))"
     );
     assert_eq!(sig::<SessionStats>(), "(suuut)");
 }

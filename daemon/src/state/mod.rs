@@ -1163,16 +1163,19 @@ impl<M: Memory> State<M> {
         }
     }
 
-    /// What model `name` holds by part, once it is loaded.
+    /// What model `name` holds by part, and the bytes its plan streams, once it is loaded.
     fn model_parts(&self, name: &str) -> ModelParts {
         match self.models.get(name).map(|e| &e.slot) {
             Some(Slot::Ready(m)) => {
                 let f = m.model.footprint();
+                let plan = m.model.plan();
                 ModelParts {
                     weights: f.weights.image,
                     tokenizer: f.tokenizer,
                     tables: f.weights.heap,
                     ring: f.ring,
+                    streamed_whole: plan.map_or(0, |p| p.unit_bytes_per_token()),
+                    streamed_sparse: plan.map_or(0, |p| p.sparse_ffn_bytes()),
                 }
             }
             _ => ModelParts::default(),

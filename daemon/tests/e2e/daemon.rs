@@ -539,7 +539,7 @@ fn replies_have_the_introspected_signatures_and_argument_lists_are_strict() -> a
                 MANAGER_INTERFACE,
                 &manager_xml,
                 "Memory",
-                "(ttta(sttttsttx(tttt))a(osst)a(sut))",
+                "(ttta(sttttsttx(tttttt))a(osst)a(sut))",
             ),
             (
                 MANAGER_PATH,

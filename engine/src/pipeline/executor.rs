@@ -10,7 +10,7 @@ use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
-use crate::forward::FfnExecutor;
+use crate::forward::{FfnExecutor, Model};
 use crate::generate::Decode;
 use crate::io::{DirectFile, IoOptions, open_engine};
 use crate::model::lsm::PredictorKind;
@@ -120,6 +120,36 @@ impl Executor {
             Executor::Mmap(e) => e.reset_stats(),
             Executor::Streaming(e) => e.reset_stats(),
         }
+    }
+
+    /// The executor of the FFN layers a memory plan streams by neuron (`None` when it streams
+    /// none): `policy` over those layers only, with the plan's neuron cache, the default
+    /// predictor and checked chunks. What `leanstream run` and the daemon serve a plan with.
+    pub fn for_plan(
+        model: &Arc<Model>,
+        policy: Policy,
+        io_threads: usize,
+        precision: Precision,
+    ) -> Result<Option<Executor>> {
+        let Some(plan) = model.plan().filter(|p| p.is_sparse()) else {
+            return Ok(None);
+        };
+        let sm = SparseModel::over(Arc::clone(model))?;
+        let mut exec = Executor::new(
+            &sm,
+            ExecutorOptions {
+                mode: Mode::LeanStream,
+                policy: Some(policy),
+                cache_bytes: plan.floor.cache as usize,
+                io_threads,
+                io_gap_bytes: crate::io::DEFAULT_MAX_GAP_BYTES,
+                precision,
+                predictor: Some(PredictorKind::DEFAULT),
+                verify_chunks: true,
+            },
+        )?;
+        exec.only_layers(&plan.sparse_ffn)?;
+        Ok(Some(exec))
     }
 
     /// Computes only the FFN layers `mask` marks (those a plan streams by neuron); the forward

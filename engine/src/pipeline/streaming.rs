@@ -94,26 +94,27 @@ impl Policy {
     }
 
     /// The ablation ladder of LeanStream's refinements, each step adding one part to the one
-    /// before: on-demand with LRU (serialised) → + prioritised compute (stream) → + prioritised
-    /// loading (speculate and refine reads) → + prioritised retention (calibrated frequency:
-    /// `leanstream`); then the alternative retention that adds observed activity.
+    /// before: on-demand with LRU (`serial`) → + compute chunks as their reads land
+    /// (`overlapped`) → + speculate and refine reads (`refined-load`) → + keep the calibrated
+    /// hot neurons (`leanstream`); then the retention that adds observed activity
+    /// (`refined-retention`), which pays where active neurons carry over from token to token.
     pub fn ablation() -> [(&'static str, Policy); 5] {
-        let base = Policy {
+        let serial = Policy {
             lookahead: 0,
             refine_load: false,
             stream_compute: false,
             retention: Retention::Lru,
         };
-        let compute = Policy {
+        let overlapped = Policy {
             stream_compute: true,
-            ..base
+            ..serial
         };
         let load = Policy {
             lookahead: 2,
             refine_load: true,
-            ..compute
+            ..overlapped
         };
-        let retention = Policy {
+        let frequency = Policy {
             retention: Retention::Frequency,
             ..load
         };
@@ -122,13 +123,42 @@ impl Policy {
             ..load
         };
         [
-            ("serial+lru", base),
-            ("+compute", compute),
-            ("+load", load),
-            ("+retention", retention),
-            ("activity retention", activity),
+            ("serial", serial),
+            ("overlapped", overlapped),
+            ("refined-load", load),
+            ("leanstream", frequency),
+            ("refined-retention", activity),
         ]
     }
+
+    /// A policy by name: a cache-backed mode (`on-demand`, `prefetch`, `leanstream`) or a step
+    /// of [`Policy::ablation`].
+    pub fn named(name: &str) -> std::result::Result<Policy, String> {
+        let modes = [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream];
+        modes
+            .into_iter()
+            .filter_map(|m| Some((m.name(), Policy::for_mode(m)?)))
+            .chain(Policy::ablation())
+            .find(|(n, _)| *n == name)
+            .map(|(_, p)| p)
+            .ok_or_else(|| {
+                format!(
+                    "unknown sparse policy `{name}` (one of {})",
+                    Policy::NAMES.join(", ")
+                )
+            })
+    }
+
+    /// Every name [`Policy::named`] knows.
+    pub const NAMES: [&'static str; 7] = [
+        "on-demand",
+        "prefetch",
+        "leanstream",
+        "serial",
+        "overlapped",
+        "refined-load",
+        "refined-retention",
+    ];
 }
 
 /// Read priorities: every read of layer `l` outranks every read of a later layer; inside a

@@ -155,6 +155,9 @@ pub struct Plan {
     pub sparse_ffn: Vec<bool>,
     /// Bytes the sparse layers are expected to read per token, through the cache.
     pub sparse_bytes_per_token: u64,
+    /// File bytes of the FFN of the layers `sparse_ffn` marks: every chunk of them
+    /// ([`Plan::sparse_ffn_bytes`]).
+    sparse_ffn_file_bytes: u64,
 }
 
 /// Whether a plan may stream FFN layers by neuron: `auto` where that reads faster than dense
@@ -457,6 +460,7 @@ impl Plan {
             let all = s.all_bytes(&sparse_layers);
             plan.floor.cache = (plan.floor.cache + left).min(all.max(plan.floor.cache));
             plan.sparse_bytes_per_token = s.miss_bytes(&sparse_layers, plan.floor.cache) as u64;
+            plan.sparse_ffn_file_bytes = all;
         }
         Ok(plan)
     }
@@ -504,6 +508,7 @@ impl Plan {
             piece_bytes,
             sparse_ffn: sparse_ffn.to_vec(),
             sparse_bytes_per_token: 0,
+            sparse_ffn_file_bytes: 0,
         };
         let weights_room = budget.saturating_sub(floor.total());
         if all > weights_room {
@@ -681,6 +686,13 @@ impl Plan {
         self.sparse_ffn.iter().any(|&s| s)
     }
 
+    /// File bytes of the FFN of every layer that streams by neuron (`sparse_ffn`): all their
+    /// chunks, which the neuron cache streams from (neither resident nor in the ring); 0 for a
+    /// dense plan.
+    pub fn sparse_ffn_bytes(&self) -> u64 {
+        self.sparse_ffn_file_bytes
+    }
+
     /// Tokens per second if reading were the only cost: the dense stream at `disk.dense` and
     /// the sparse misses at `disk.sparse` (`None` when nothing is read).
     pub fn io_bound_tok_s(&self, disk: DiskSpeeds) -> Option<f64> {
@@ -822,6 +834,70 @@ mod tests {
         assert_eq!(spread(4, 2), vec![true, false, true, false]);
         assert_eq!(spread(3, 0), vec![false; 3]);
         assert_eq!(spread(3, 3), vec![true; 3]);
+    }
+
+    #[test]
+    fn sparse_ffn_bytes_are_the_ffn_of_the_layers_by_neuron() {
+        use crate::model::lsm::synth::{SynthOptions, SynthShape, SynthTokenizer, synthesize};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.lsm");
+        let mut synth = SynthOptions::new(SynthShape {
+            n_layers: 4,
+            ..SynthShape::TINY
+        });
+        synth.sparsity = 0.8;
+        synth.chunk_neurons = 1;
+        synthesize(&path, &synth, &SynthTokenizer::tiny(), &mut |_, _| {}).unwrap();
+        let (w, _, _) = crate::model::load_mapped(&path).unwrap();
+        let mut opts = PlanOptions::for_file(&path, PlacementPolicy::Auto).unwrap();
+        opts.piece_bytes = 64 << 10;
+        let sparse = opts.sparse.as_mut().expect("a calibrated synthetic model");
+        // A disk as fast for chunks as for large reads: every layer pays by neuron but layer 1,
+        // whose every chunk is read.
+        sparse.disk = DiskSpeeds {
+            dense: 1e9,
+            sparse: 1e9,
+        };
+        sparse.chunk_probability[1].fill(1.0);
+        // The smallest budget (in 64 KiB steps) under the weights that holds the plan.
+        let mut budget = sparse.predictor_bytes + sparse.cache_floor_bytes;
+        let plan = loop {
+            if let Ok(p) = Plan::with_options(&w, budget, Floor::default(), &opts) {
+                break p;
+            }
+            budget += 64 << 10;
+            assert!(budget < 64 << 20, "no budget holds the plan");
+        };
+        assert_eq!(plan.sparse_ffn, vec![true, false, true, true]);
+        // Each sparse layer's FFN is its chunks in the file: its bundles, each chunk padded.
+        let layout = crate::model::lsm::ChunkLayout::from_header(
+            &path,
+            &crate::model::lsm::LsmFile::open(&path).unwrap().header,
+        )
+        .unwrap();
+        let layer = (layout.chunks_per_layer * layout.chunk_bytes) as u64;
+        assert_eq!(plan.sparse_ffn_bytes(), 3 * layer);
+        // The layer's bundles in one piece span all of it but the last chunk's padding.
+        let bundles: Vec<Range<u64>> = pieces(&w.layers[0], usize::MAX)
+            .iter()
+            .filter(|p| p.part.is_ffn())
+            .flat_map(|p| piece_matrices(&w.layers[0], p).unwrap())
+            .map(|m| range_of(&m))
+            .collect();
+        let data = total(&merged(bundles, 0));
+        assert!(
+            data <= layer && layer - data < layout.chunk_bytes as u64,
+            "{data}"
+        );
+        // Nothing streams by neuron in a dense plan, resident or not.
+        let dense = PlanOptions {
+            piece_bytes: 64 << 10,
+            sparse: None,
+        };
+        for budget in [budget, u64::MAX / 2] {
+            let plan = Plan::with_options(&w, budget, Floor::default(), &dense).unwrap();
+            assert_eq!(plan.sparse_ffn_bytes(), 0);
+        }
     }
 
     #[test]

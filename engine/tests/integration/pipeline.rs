@@ -140,3 +140,23 @@ fn a_failing_read_ends_that_token_with_an_error_and_the_pipeline_goes_on() {
     };
     assert_eq!(ids, dense_ids);
 }
+
+#[test]
+fn every_named_sparse_policy_parses_and_the_ladder_ends_at_leanstream() {
+    for name in Policy::NAMES {
+        assert!(Policy::named(name).is_ok(), "{name}");
+    }
+    assert_eq!(
+        Policy::named("leanstream"),
+        Ok(Policy::for_mode(Mode::LeanStream).unwrap())
+    );
+    assert_eq!(
+        Policy::named("serial"),
+        Ok(Policy::for_mode(Mode::OnDemand).unwrap())
+    );
+    let ladder = Policy::ablation();
+    // Each step changes the one before it.
+    assert!(ladder.windows(2).all(|w| w[0].1 != w[1].1));
+    let e = Policy::named("fast").unwrap_err();
+    assert!(e.contains("refined-retention"), "{e}");
+}

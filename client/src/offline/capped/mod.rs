@@ -2,13 +2,19 @@
 //! file inside a real memory cgroup capped at each size, cold (page cache dropped first), one
 //! child process per prompt so that nothing of one row is left in the next.
 //!
-//! Rows: LeanStream (`leanstream run --memory-budget CAP`: the memory planner fits the model
-//! into the cap and streams what does not fit) and, with `--peer-llama DIR`, llama.cpp's
-//! `llama-completion` (memory-mapped weights, the kernel's page cache decides what stays). For
-//! each: decode tokens/s, completed or killed (OOM) or timed out, the cgroup's peak memory,
-//! bytes read from storage per token (the child's block input, all threads), and for LeanStream
-//! the plan's prediction next to it (bytes per token, the storage-bound tokens/s at the disk's
+//! Rows ([`Engine`]): LeanStream (`leanstream run --memory-budget CAP`: the memory planner fits
+//! the model into the cap and streams what does not fit) as `unified` (FFN layers may stream by
+//! neuron where that is faster), `planned-dense` (`--placement dense`: the baseline `unified`
+//! must never lose to) and the sparse-policy presets (`--sparse-policy`), and, with
+//! `--peer-llama DIR`, llama.cpp's `llama-completion` (memory-mapped weights, the kernel's page
+//! cache decides what stays). For each: decode tokens/s, completed or killed (OOM) or timed out,
+//! the cgroup's peak memory, bytes read from storage per decoded token, and for LeanStream the
+//! plan's prediction next to it (bytes per token, the storage-bound tokens/s at the disk's
 //! measured bandwidth).
+//!
+//! With `runs` > 1 every row runs that many times, interleaved (each run goes through every cap
+//! and engine before the next starts, so that a disk that slows down or a neighbour that wakes
+//! up lands on every row alike), and the table shows the median run.
 
 mod cgroup;
 mod peer;
@@ -20,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use leanstream_engine::bench::disk::{self, ProbeOptions};
+use leanstream_engine::pipeline::Policy;
 use leanstream_engine::plan::Floor;
 use serde::Serialize;
 
@@ -75,6 +82,38 @@ impl DiskProbe {
     }
 }
 
+/// One LeanStream row of the capped bench.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// The memory plan with placement `auto` and the `leanstream` policy for sparse layers.
+    Unified,
+    /// The memory plan with placement `dense`: no FFN layer streams by neuron.
+    PlannedDense,
+    /// Placement `auto` with another sparse policy (a preset or an ablation step).
+    Policy(String),
+}
+
+impl Engine {
+    pub fn name(&self) -> &str {
+        match self {
+            Engine::Unified => "unified",
+            Engine::PlannedDense => "planned-dense",
+            Engine::Policy(p) => p,
+        }
+    }
+}
+
+/// Parses `unified`, `planned-dense` or a sparse policy's name.
+pub fn parse_engine(s: &str) -> Result<Engine, String> {
+    match s.trim() {
+        "unified" => Ok(Engine::Unified),
+        "planned-dense" => Ok(Engine::PlannedDense),
+        p => Policy::named(p)
+            .map(|_| Engine::Policy(p.to_string()))
+            .map_err(|e| format!("{e}, or `unified` or `planned-dense`")),
+    }
+}
+
 /// What the capped bench runs.
 #[derive(Clone, Debug)]
 pub struct CappedConfig {
@@ -83,6 +122,10 @@ pub struct CappedConfig {
     /// The GGUF llama.cpp runs and percentages refer to (default: `model`).
     pub gguf: PathBuf,
     pub caps: Vec<Cap>,
+    /// LeanStream's rows at each cap (llama.cpp's is added with `peer_llama`).
+    pub engines: Vec<Engine>,
+    /// Times each row runs, interleaved; the table shows the median run.
+    pub runs: usize,
     pub prompts: Vec<String>,
     pub tokens: usize,
     pub context: usize,
@@ -119,7 +162,12 @@ pub struct CappedRow {
     pub outcome: Outcome,
     /// Decode tokens/s over all prompts (0 unless completed).
     pub decode_tokens_per_s: f64,
+    /// Decode tokens/s of every run of the row, in run order (the median is above).
+    pub runs_tokens_per_s: Vec<f64>,
     pub peak_cgroup_bytes: Option<u64>,
+    /// Bytes read from storage per decoded token: LeanStream's own count of its weight reads
+    /// after the prefill; for llama.cpp the child's block input (all threads, loading included)
+    /// over its decoded tokens.
     pub read_bytes_per_token: f64,
     /// The plan's bytes read per token (LeanStream only).
     pub predicted_read_bytes_per_token: Option<f64>,
@@ -225,6 +273,7 @@ impl Tally {
                 cap_bytes: cap,
                 outcome: Outcome::Completed,
                 decode_tokens_per_s: 0.0,
+                runs_tokens_per_s: Vec::new(),
                 peak_cgroup_bytes: None,
                 read_bytes_per_token: 0.0,
                 predicted_read_bytes_per_token: None,
@@ -240,15 +289,18 @@ impl Tally {
         }
     }
 
-    /// Adds one child: its decode figures (tokens, seconds) when it completed.
-    fn add(&mut self, run: &ChildRun, decode: Option<(u64, f64)>) {
+    /// Adds one child: its decode figures when it completed (tokens, seconds, and the bytes it
+    /// read while decoding where it counts them; else its block input is taken).
+    fn add(&mut self, run: &ChildRun, decode: Option<Decoded>) {
         let r = &mut self.row;
         r.peak_cgroup_bytes = r.peak_cgroup_bytes.max(run.peak);
         match (run.outcome, decode) {
-            (Outcome::Completed, Some((tokens, secs))) => {
-                r.tokens_decoded += tokens;
-                self.decode_s += secs;
-                r.read_bytes_per_token += run.read_bytes as f64;
+            (Outcome::Completed, Some(d)) => {
+                r.tokens_decoded += d.tokens;
+                self.decode_s += d.seconds;
+                r.read_bytes_per_token += d
+                    .read_bytes_per_token
+                    .map_or(run.read_bytes as f64, |b| b * d.tokens as f64);
             }
             (outcome, _) => {
                 if r.outcome == Outcome::Completed {
@@ -272,16 +324,61 @@ impl Tally {
         let r = &mut self.row;
         if r.outcome == Outcome::Completed {
             r.decode_tokens_per_s = r.tokens_decoded as f64 / self.decode_s.max(1e-9);
+            r.runs_tokens_per_s = vec![r.decode_tokens_per_s];
             r.read_bytes_per_token /= r.tokens_decoded.max(1) as f64;
         } else {
             r.read_bytes_per_token = 0.0;
+            r.runs_tokens_per_s = vec![0.0];
         }
         self.row
     }
 }
 
+/// What a completed child decoded.
+pub(crate) struct Decoded {
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Storage bytes per decoded token by the engine's own count, where it keeps one.
+    pub read_bytes_per_token: Option<f64>,
+}
+
+/// One row per (cap, engine) from `runs` runs of each: the median run by decode tokens/s, with
+/// every run's tokens/s, the highest peak, in the order rows first appear.
+fn medians(all: Vec<CappedRow>) -> Vec<CappedRow> {
+    let mut groups: Vec<Vec<CappedRow>> = Vec::new();
+    for row in all {
+        match groups
+            .iter_mut()
+            .find(|g| g[0].cap_bytes == row.cap_bytes && g[0].engine == row.engine)
+        {
+            Some(g) => g.push(row),
+            None => groups.push(vec![row]),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|g| {
+            let runs: Vec<f64> = g.iter().map(|r| r.decode_tokens_per_s).collect();
+            let peak = g.iter().filter_map(|r| r.peak_cgroup_bytes).max();
+            let nll = g.iter().find_map(|r| r.nll_delta);
+            let mut sorted = g;
+            sorted.sort_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s));
+            let mut row = sorted.swap_remove(sorted.len() / 2);
+            row.runs_tokens_per_s = runs;
+            row.peak_cgroup_bytes = peak;
+            row.nll_delta = nll;
+            row
+        })
+        .collect()
+}
+
 /// LeanStream's child for one prompt.
-fn leanstream_command(cfg: &CappedConfig, cap: u64, prompt: &str) -> anyhow::Result<Command> {
+fn leanstream_command(
+    cfg: &CappedConfig,
+    engine: &Engine,
+    cap: u64,
+    prompt: &str,
+) -> anyhow::Result<Command> {
     let mut cmd = Command::new(std::env::current_exe().context("finding this executable")?);
     cmd.args(["run", "--json", "--model"])
         .arg(&cfg.model)
@@ -291,6 +388,11 @@ fn leanstream_command(cfg: &CappedConfig, cap: u64, prompt: &str) -> anyhow::Res
         .args(["--context", &cfg.context.to_string()])
         .args(["--threads", &cfg.threads.to_string()])
         .args(["--backend", "cpu"]);
+    match engine {
+        Engine::Unified => cmd.args(["--placement", "auto"]),
+        Engine::PlannedDense => cmd.args(["--placement", "dense"]),
+        Engine::Policy(p) => cmd.args(["--placement", "auto", "--sparse-policy", p]),
+    };
     Ok(cmd)
 }
 
@@ -321,15 +423,20 @@ fn run_json(stdout: &str) -> Option<serde_json::Value> {
     serde_json::from_str(line).ok()
 }
 
-/// (decoded tokens, decode seconds, plan's bytes per token) from `leanstream run --json`.
-fn parse_leanstream(stdout: &str) -> Option<(u64, f64, Option<f64>)> {
+/// What a child decoded, and its plan's bytes per token, from `leanstream run --json`.
+fn parse_leanstream(stdout: &str) -> Option<(Decoded, Option<f64>)> {
     let v = run_json(stdout)?;
     let s = &v["stats"];
     // The first generated token comes from the prefill; decode is the rest.
     let tokens = s["generated_tokens"].as_u64()?.saturating_sub(1);
     let tps = s["decode_tokens_per_s"].as_f64()?;
-    let predicted = v["plan"]["streamed_bytes_per_token"].as_f64();
-    (tps > 0.0).then(|| (tokens, tokens as f64 / tps, predicted))
+    let predicted = v["plan"]["read_bytes_per_token"].as_f64();
+    let decoded = Decoded {
+        tokens,
+        seconds: tokens as f64 / tps,
+        read_bytes_per_token: v["read_bytes_per_token"]["total"].as_f64(),
+    };
+    (tps > 0.0).then_some((decoded, predicted))
 }
 
 /// Runs every engine under every cap; `progress` gets a line per child.
@@ -362,66 +469,167 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
         None
     };
     let mut rows = Vec::new();
-    for &cap in &cfg.caps {
-        let cap = cap.bytes(reference);
-        let mut ours = Tally::new("leanstream", cap);
-        ours.row.disk_bytes_per_s = cfg
-            .disk_probe
-            .as_ref()
-            .map(DiskProbe::measure)
-            .transpose()?;
-        for (i, p) in cfg.prompts.iter().enumerate() {
-            progress(&format!(
-                "leanstream at {} MB, prompt {}",
-                cap / 1_000_000,
-                i + 1
-            ));
-            let run = run_capped(&mut leanstream_command(cfg, cap, p)?, cap, cfg.row_timeout)?;
-            let parsed = parse_leanstream(&run.stdout);
-            if let Some(plan) = run_json(&run.stdout).map(|v| v["plan"].clone()) {
-                ours.row.plan_floor = serde_json::from_value(plan["floor"].clone()).ok();
-                ours.row.plan_resident_bytes = plan["resident_weight_bytes"].as_u64();
+    for run_index in 0..cfg.runs.max(1) {
+        let run_note = if cfg.runs > 1 {
+            format!(" (run {} of {})", run_index + 1, cfg.runs)
+        } else {
+            String::new()
+        };
+        for &cap in &cfg.caps {
+            let cap = cap.bytes(reference);
+            // Held-out perplexity once per cap: the plan scores dense, whatever the engine.
+            let nll = match reference_ppl.filter(|_| run_index == 0) {
+                Some(reference) => {
+                    progress(&format!(
+                        "leanstream at {} MB, held-out perplexity",
+                        cap / 1_000_000
+                    ));
+                    let mut cmd = perplexity_command(cfg, Some(cap))?;
+                    let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
+                    parse_ppl(&run.stdout).map(|p| p / reference - 1.0)
+                }
+                None => None,
+            };
+            for engine in &cfg.engines {
+                let mut row = leanstream_row(cfg, engine, cap, &run_note, progress)?;
+                if engine == &cfg.engines[0] {
+                    row.nll_delta = nll;
+                }
+                rows.push(row);
             }
-            if let Some((_, _, Some(pred))) = parsed {
-                ours.row.predicted_read_bytes_per_token = Some(pred);
-                ours.row.predicted_bound_tok_s = ours
-                    .row
-                    .disk_bytes_per_s
-                    .filter(|_| pred > 0.0)
-                    .map(|bw| bw / pred);
+            if let Some(llama) = &llama {
+                let mut peer = Tally::new("llama.cpp", cap);
+                for (i, p) in cfg.prompts.iter().enumerate() {
+                    progress(&format!(
+                        "llama.cpp at {} MB, prompt {}{run_note}",
+                        cap / 1_000_000,
+                        i + 1
+                    ));
+                    let mut cmd = llama.command(&cfg.gguf, p, cfg.tokens, cfg.context, cfg.threads);
+                    let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
+                    let parsed =
+                        peer::parse_timings(&run.stderr).map(|(tokens, seconds)| Decoded {
+                            tokens,
+                            seconds,
+                            read_bytes_per_token: None,
+                        });
+                    peer.add(&run, parsed);
+                }
+                let row = peer.finish();
+                progress(&row_summary(&row));
+                rows.push(row);
             }
-            ours.add(&run, parsed.map(|(t, s, _)| (t, s)));
-        }
-        if let Some(reference) = reference_ppl {
-            progress(&format!(
-                "leanstream at {} MB, held-out perplexity",
-                cap / 1_000_000
-            ));
-            let run = run_capped(
-                &mut perplexity_command(cfg, Some(cap))?,
-                cap,
-                cfg.row_timeout,
-            )?;
-            ours.row.nll_delta = parse_ppl(&run.stdout).map(|p| p / reference - 1.0);
-        }
-        rows.push(ours.finish());
-        if let Some(llama) = &llama {
-            let mut peer = Tally::new("llama.cpp", cap);
-            for (i, p) in cfg.prompts.iter().enumerate() {
-                progress(&format!(
-                    "llama.cpp at {} MB, prompt {}",
-                    cap / 1_000_000,
-                    i + 1
-                ));
-                let mut cmd = llama.command(&cfg.gguf, p, cfg.tokens, cfg.context, cfg.threads);
-                let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
-                let parsed = peer::parse_timings(&run.stderr);
-                peer.add(&run, parsed);
-            }
-            rows.push(peer.finish());
         }
     }
-    Ok(rows)
+    Ok(medians(rows))
+}
+
+/// One LeanStream engine under one cap: a child per prompt.
+fn leanstream_row(
+    cfg: &CappedConfig,
+    engine: &Engine,
+    cap: u64,
+    run_note: &str,
+    progress: &mut dyn FnMut(&str),
+) -> anyhow::Result<CappedRow> {
+    let mut ours = Tally::new(engine.name(), cap);
+    ours.row.disk_bytes_per_s = cfg
+        .disk_probe
+        .as_ref()
+        .map(DiskProbe::measure)
+        .transpose()?;
+    for (i, p) in cfg.prompts.iter().enumerate() {
+        progress(&format!(
+            "{} at {} MB, prompt {}{run_note}",
+            engine.name(),
+            cap / 1_000_000,
+            i + 1
+        ));
+        let mut cmd = leanstream_command(cfg, engine, cap, p)?;
+        let run = run_capped(&mut cmd, cap, cfg.row_timeout)?;
+        if let Some(plan) = run_json(&run.stdout).map(|v| v["plan"].clone()) {
+            ours.row.plan_floor = serde_json::from_value(plan["floor"].clone()).ok();
+            ours.row.plan_resident_bytes = plan["resident_weight_bytes"].as_u64();
+        }
+        let parsed = parse_leanstream(&run.stdout);
+        if let Some((_, Some(pred))) = &parsed {
+            ours.row.predicted_read_bytes_per_token = Some(*pred);
+            ours.row.predicted_bound_tok_s = ours
+                .row
+                .disk_bytes_per_s
+                .filter(|_| *pred > 0.0)
+                .map(|bw| bw / pred);
+        }
+        ours.add(&run, parsed.map(|(d, _)| d));
+    }
+    let row = ours.finish();
+    progress(&row_summary(&row));
+    Ok(row)
+}
+
+/// One line on a finished row, for the progress log.
+fn row_summary(r: &CappedRow) -> String {
+    let mib = |b: f64| b / (1 << 20) as f64;
+    format!(
+        "  {} at {} MB: {:?}, {:.3} tok/s, {:.1} MiB read per token (plan {}), peak {} MiB",
+        r.engine,
+        r.cap_bytes / 1_000_000,
+        r.outcome,
+        r.decode_tokens_per_s,
+        mib(r.read_bytes_per_token),
+        r.predicted_read_bytes_per_token
+            .map_or("-".into(), |b| format!("{:.1}", mib(b))),
+        r.peak_cgroup_bytes
+            .map_or("-".into(), |b| format!("{:.0}", mib(b as f64))),
+    )
 }
 
 pub use report::{floors, json, svg, table};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_of(engine: &str, cap: u64, tps: f64, peak: u64) -> CappedRow {
+        let mut t = Tally::new(engine, cap);
+        t.row.tokens_decoded = 10;
+        t.row.peak_cgroup_bytes = Some(peak);
+        t.decode_s = 10.0 / tps;
+        t.finish()
+    }
+
+    #[test]
+    fn interleaved_runs_fold_into_the_median_run_of_each_row_in_first_seen_order() {
+        let all = vec![
+            run_of("unified", 100, 3.0, 50),
+            run_of("planned-dense", 100, 1.0, 60),
+            run_of("unified", 100, 9.0, 70),
+            run_of("planned-dense", 100, 2.0, 40),
+            run_of("unified", 100, 4.0, 55),
+            run_of("planned-dense", 100, 1.5, 45),
+        ];
+        let rows = medians(all);
+        let names: Vec<&str> = rows.iter().map(|r| r.engine.as_str()).collect();
+        assert_eq!(names, ["unified", "planned-dense"]);
+        assert!((rows[0].decode_tokens_per_s - 4.0).abs() < 1e-9);
+        assert!((rows[1].decode_tokens_per_s - 1.5).abs() < 1e-9);
+        assert_eq!(rows[0].runs_tokens_per_s.len(), 3);
+        assert!((rows[0].runs_tokens_per_s[1] - 9.0).abs() < 1e-9);
+        assert_eq!(rows[0].peak_cgroup_bytes, Some(70));
+    }
+
+    #[test]
+    fn engines_parse_by_name_and_unknown_names_list_the_known_ones() {
+        assert_eq!(parse_engine("unified"), Ok(Engine::Unified));
+        assert_eq!(parse_engine("planned-dense"), Ok(Engine::PlannedDense));
+        assert_eq!(
+            parse_engine("refined-load"),
+            Ok(Engine::Policy("refined-load".into()))
+        );
+        let e = parse_engine("sparse").unwrap_err();
+        assert!(
+            e.contains("on-demand") && e.contains("planned-dense"),
+            "{e}"
+        );
+    }
+}

@@ -20,6 +20,8 @@ pub fn table(rows: &[CappedRow]) -> String {
         "engine",
         "outcome",
         "tok/s",
+        "runs",
+        "× dense",
         "× llama",
         "peak MiB",
         "read/tok MiB",
@@ -35,19 +37,35 @@ pub fn table(rows: &[CappedRow]) -> String {
             })
             .map(|r| r.decode_tokens_per_s)
     };
+    let dense_tps = |cap: u64| {
+        rows.iter()
+            .find(|r| {
+                r.engine == "planned-dense" && r.cap_bytes == cap && r.outcome == Outcome::Completed
+            })
+            .map(|r| r.decode_tokens_per_s)
+    };
     let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            let ratio = match (r.engine.as_str(), peer_tps(r.cap_bytes)) {
-                ("llama.cpp", _) | (_, None) => "-".to_string(),
-                (_, Some(p)) => format!("{:.1}", r.decode_tokens_per_s / p.max(1e-9)),
+            let ratio = |to: Option<f64>, own: &str| match to {
+                Some(t) if r.engine != own && r.engine != "llama.cpp" => {
+                    format!("{:.2}", r.decode_tokens_per_s / t.max(1e-9))
+                }
+                _ => "-".to_string(),
             };
+            let runs: Vec<String> = r
+                .runs_tokens_per_s
+                .iter()
+                .map(|t| format!("{t:.2}"))
+                .collect();
             vec![
                 mb(r.cap_bytes),
                 r.engine.clone(),
                 format!("{:?}", r.outcome).to_lowercase(),
                 format!("{:.2}", r.decode_tokens_per_s),
-                ratio,
+                runs.join(" "),
+                ratio(dense_tps(r.cap_bytes), "planned-dense"),
+                ratio(peer_tps(r.cap_bytes), "llama.cpp"),
                 r.peak_cgroup_bytes.map_or("-".into(), |b| {
                     format!("{:.1}", b as f64 / (1 << 20) as f64)
                 }),
@@ -66,7 +84,7 @@ pub fn table(rows: &[CappedRow]) -> String {
     let header: Vec<(&str, Align)> = header
         .iter()
         .map(|&h| match h {
-            "engine" | "outcome" => (h, Align::Left),
+            "engine" | "outcome" | "runs" => (h, Align::Left),
             _ => (h, Align::Right),
         })
         .collect();
@@ -260,6 +278,7 @@ mod tests {
             cap_bytes: cap,
             outcome,
             decode_tokens_per_s: tps,
+            runs_tokens_per_s: vec![tps],
             peak_cgroup_bytes: Some(cap / 2),
             read_bytes_per_token: 1e6,
             predicted_read_bytes_per_token: None,
@@ -274,26 +293,26 @@ mod tests {
     }
 
     #[test]
-    fn the_table_divides_by_llama_at_the_same_cap() {
-        let rows = [
-            row("leanstream", 60_000_000, 20.0, Outcome::Completed),
+    fn the_table_divides_by_planned_dense_and_llama_at_the_same_cap() {
+        let mut rows = [
+            row("unified", 60_000_000, 20.0, Outcome::Completed),
+            row("planned-dense", 60_000_000, 8.0, Outcome::Completed),
             row("llama.cpp", 60_000_000, 2.0, Outcome::Completed),
-            row("leanstream", 40_000_000, 9.0, Outcome::Completed),
+            row("unified", 40_000_000, 9.0, Outcome::Completed),
             row("llama.cpp", 40_000_000, 0.0, Outcome::Killed),
         ];
-        let mut rows = rows;
         rows[0].nll_delta = Some(0.0125);
         let t = table(&rows);
-        assert!(
-            t.lines().nth(1).is_some_and(|l| l.ends_with("+1.25%")),
-            "{t}"
-        );
-        let lines: Vec<&str> = t.lines().collect();
-        assert!(lines[1].contains("10.0"), "{t}");
-        assert!(lines[3].split_whitespace().nth(4) == Some("-"), "{t}");
-        assert!(lines[4].contains("killed"), "{t}");
+        let cols =
+            |i: usize| -> Vec<&str> { t.lines().nth(i).unwrap().split_whitespace().collect() };
+        assert!(cols(1).last() == Some(&"+1.25%"), "{t}");
+        // cap, engine, outcome, tok/s, runs, × dense, × llama
+        assert_eq!(cols(1)[5..7], ["2.50", "10.00"], "{t}");
+        assert_eq!(cols(2)[5..7], ["-", "4.00"], "{t}");
+        assert_eq!(cols(4)[5..7], ["-", "-"], "{t}");
+        assert!(cols(5).contains(&"killed"), "{t}");
         let svg = svg(&rows, "t");
-        assert_eq!(svg.matches("<circle").count(), 3);
+        assert_eq!(svg.matches("<circle").count(), 4);
         assert!(svg.contains('×'));
     }
 

@@ -51,7 +51,7 @@ pub use calibration::{
 };
 pub use layout::{ChunkId, ChunkLayout};
 pub use rewrite::write_calibrated;
-pub use write::{ConvertOptions, ConvertReport, DOWN_DTYPES, convert};
+pub use write::{ConvertOptions, ConvertReport, DOWN_DTYPES, convert, default_down_dtype};
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"LEANSTRM";

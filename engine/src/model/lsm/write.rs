@@ -152,6 +152,36 @@ impl Out {
     }
 }
 
+/// The down type a conversion should use where none is asked for: `Q8_0`, unless `Q5_0` makes a
+/// chunk cost fewer bytes per neuron. A read moves whole pages, so the precision is only given up
+/// where it saves reads: at SmolLM2's shape a page holds three bundles either way (Q8_0 kept);
+/// at a 7B shape a one-neuron bundle is 8960 B with Q8_0 (three pages) and 7424 B with Q5_0 (two).
+pub fn default_down_dtype(src: &ImportedModel, chunk_neurons: Option<usize>) -> Result<DType> {
+    let weights = Weights::from_imported(src)?;
+    Ok(match weights.layers.first().map(|l| &l.ffn) {
+        Some(f) => down_dtype_for(
+            f.gate.row_bytes() + f.up.row_bytes(),
+            weights.config.d_model,
+            chunk_neurons,
+        ),
+        None => DType::Q8_0,
+    })
+}
+
+/// [`default_down_dtype`] for a bundle whose gate and up rows take `gate_up` bytes, at width `d`.
+fn down_dtype_for(gate_up: usize, d: usize, chunk_neurons: Option<usize>) -> DType {
+    let per_neuron = |t: DType| {
+        let bundle = gate_up + t.row_bytes(d)?;
+        let k = chunk_neurons.unwrap_or((ALIGN / bundle).max(1));
+        Some(align_up((k * bundle) as u64) as f64 / k as f64)
+    };
+    match (per_neuron(DType::Q8_0), per_neuron(DType::Q5_0)) {
+        (Some(q8), Some(q5)) if q5 < q8 => DType::Q5_0,
+        (None, Some(_)) => DType::Q5_0,
+        _ => DType::Q8_0,
+    }
+}
+
 /// Converts `src` into a `.lsm` file at `dst`, calling `progress(done, total)` per FFN layer.
 pub fn convert(
     src: &ImportedModel,
@@ -378,4 +408,21 @@ fn down_columns(down: &QRows, dtype: DType, err: &mut ErrorStats) -> Vec<u8> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_down_type_drops_to_q5_0_only_where_that_saves_pages() {
+        // Llama-2-7B: Q4_0 gate and up rows of 4096 values, 2304 B each.
+        assert_eq!(down_dtype_for(2 * 2304, 4096, None), DType::Q5_0);
+        // SmolLM2-135M: Q4_1 rows of 576 values, 360 B each; three bundles a page either way.
+        assert_eq!(down_dtype_for(2 * 360, 576, None), DType::Q8_0);
+        // Eight 7B neurons a chunk: 18 pages against 15.
+        assert_eq!(down_dtype_for(2 * 2304, 4096, Some(8)), DType::Q5_0);
+        // A width that is no whole number of 32-value blocks keeps Q8_0 (refused later).
+        assert_eq!(down_dtype_for(100, 100, None), DType::Q8_0);
+    }
 }
