@@ -25,6 +25,24 @@ pub trait Decode: std::fmt::Debug {
     fn vocab_size(&self) -> usize;
     /// Runs `token` with each layer's FFN computed by `exec` (the sparse pipelines).
     fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]>;
+    /// Runs `tokens` with each layer's FFN computed by `exec`; returns the logits of the last.
+    /// Token by token unless the session can pass several rows at once (the CPU session: its
+    /// streamed pieces are then read once per [`crate::forward::MAX_BATCH`] tokens, not once a
+    /// token).
+    fn forward_batch_through(
+        &mut self,
+        tokens: &[u32],
+        exec: &mut dyn FfnExecutor,
+    ) -> Result<&mut [f32]> {
+        let (last, rest) = tokens.split_last().ok_or_else(|| Error::InvalidArgument {
+            arg: "tokens",
+            reason: "an empty batch".into(),
+        })?;
+        for &t in rest {
+            self.forward_with(t, exec)?;
+        }
+        self.forward_with(*last, exec)
+    }
     /// Forgets the conversation (what it holds stays allocated for the next one).
     fn reset(&mut self);
     /// Every byte the session holds now, host and device (KV cache and scratch; not the shared
@@ -69,6 +87,20 @@ impl Decode for Session {
     fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         Session::forward_with(self, token, exec)
     }
+    fn forward_batch_through(
+        &mut self,
+        tokens: &[u32],
+        exec: &mut dyn FfnExecutor,
+    ) -> Result<&mut [f32]> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "tokens",
+                reason: "an empty batch".into(),
+            });
+        }
+        Session::forward_batch_with(self, tokens, exec, &mut |_, _| Ok(()))?;
+        Ok(self.logits())
+    }
     fn reset(&mut self) {
         Session::reset(self)
     }
@@ -89,9 +121,9 @@ impl Decode for Session {
     }
 }
 
-use crate::Result;
 use crate::constrain::Constraint;
 use crate::sample::{Sampler, SamplerConfig};
+use crate::{Error, Result};
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

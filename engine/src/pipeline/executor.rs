@@ -267,17 +267,9 @@ impl Decode for WithFfn {
     fn forward(&mut self, token: u32) -> Result<&mut [f32]> {
         self.decoder.forward_with(token, &mut self.exec)
     }
-    /// One token at a time: a pass of several rows through a cache-backed executor is the
-    /// daemon's batching, not this loop's.
+    /// Several rows a pass where the decoder can (the dense pieces read once for them all).
     fn forward_batch(&mut self, tokens: &[u32]) -> Result<&mut [f32]> {
-        let (last, rest) = tokens.split_last().ok_or_else(|| Error::InvalidArgument {
-            arg: "tokens",
-            reason: "an empty batch".into(),
-        })?;
-        for &t in rest {
-            self.decoder.forward_with(t, &mut self.exec)?;
-        }
-        self.decoder.forward_with(*last, &mut self.exec)
+        self.decoder.forward_batch_through(tokens, &mut self.exec)
     }
     fn position(&self) -> usize {
         self.decoder.position()

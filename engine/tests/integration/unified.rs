@@ -118,3 +118,39 @@ fn a_plan_with_layers_by_neuron_computes_what_the_sparse_pipeline_computes() {
         );
     }
 }
+
+#[test]
+fn a_prompt_through_the_plans_executor_runs_as_one_pass_with_the_logits_of_token_by_token() {
+    use leanstream_engine::generate::Decode;
+    use leanstream_engine::pipeline::{Policy, WithFfn};
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth(dir.path());
+    let model = planned(&path, &[1]);
+    let leanstream = Policy::for_mode(Mode::LeanStream).unwrap();
+    let session = || {
+        let exec = Executor::for_plan(&model, leanstream, 2, Precision::Exact)
+            .unwrap()
+            .expect("the plan streams layers by neuron");
+        let decoder =
+            Session::new(Arc::clone(&model), CONTEXT, Precision::Exact, KvType::F32).unwrap();
+        WithFfn {
+            decoder: Box::new(decoder),
+            exec,
+        }
+    };
+    let mut one_by_one = session();
+    let mut expected = Vec::new();
+    for &t in &PROMPT {
+        expected = one_by_one.forward(t).unwrap().to_vec();
+    }
+    let mut batched = session();
+    let got = batched.forward_batch(&PROMPT).unwrap().to_vec();
+    assert_eq!(got, expected);
+    assert_eq!(batched.position(), PROMPT.len());
+    // The next token goes on from the batched prompt as from the one-by-one one.
+    let next = leanstream_engine::sample::argmax(&got);
+    assert_eq!(
+        batched.forward(next).unwrap().to_vec(),
+        one_by_one.forward(next).unwrap().to_vec()
+    );
+}
