@@ -17,12 +17,14 @@
 //! up lands on every row alike), and the table shows the median run.
 
 mod cgroup;
+mod child;
 mod peer;
 mod report;
+mod tally;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use leanstream_engine::bench::disk::{self, ProbeOptions};
@@ -31,6 +33,8 @@ use leanstream_engine::plan::Floor;
 use serde::Serialize;
 
 pub use cgroup::{MemoryCgroup, drop_caches};
+use child::run_capped;
+use tally::{Decoded, Tally, medians, row_summary};
 
 /// A cap: bytes, or a share of the reference file's size.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -183,193 +187,6 @@ pub struct CappedRow {
     pub plan_resident_bytes: Option<u64>,
     /// What went wrong, when not completed (the child's last stderr line).
     pub note: Option<String>,
-}
-
-/// What one child reported.
-pub(crate) struct ChildRun {
-    pub outcome: Outcome,
-    pub stdout: String,
-    pub stderr: String,
-    pub read_bytes: u64,
-    pub peak: Option<u64>,
-}
-
-/// Runs `cmd` in a fresh cgroup capped at `cap` bytes, cold, with a time limit.
-pub(crate) fn run_capped(
-    cmd: &mut Command,
-    cap: u64,
-    timeout: Duration,
-) -> anyhow::Result<ChildRun> {
-    drop_caches()?;
-    let name = format!("leanstream-bench-{}", std::process::id());
-    let cg = MemoryCgroup::create(&name, cap)?;
-    cg.enter_on_spawn(cmd);
-    let out_path = std::env::temp_dir().join(format!("{name}.out"));
-    let err_path = std::env::temp_dir().join(format!("{name}.err"));
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path)?)
-        .stderr(std::fs::File::create(&err_path)?)
-        .spawn()
-        .with_context(|| format!("starting {cmd:?}"))?;
-    let pid = child.id() as libc::pid_t;
-    let start = Instant::now();
-    let (status, usage, timed_out) = loop {
-        let mut status = 0;
-        // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: `pid` is our child; status and usage point to valid locals.
-        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-        if r == pid {
-            break (status, usage, false);
-        }
-        if r < 0 {
-            bail!("waiting for {cmd:?}: {}", std::io::Error::last_os_error());
-        }
-        if start.elapsed() > timeout {
-            // SAFETY: kill(2) on our own child, which has not been reaped.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            // SAFETY: as above; blocks until the killed child is reaped.
-            unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-            break (status, usage, true);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
-    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
-    let _ = std::fs::remove_file(&out_path);
-    let _ = std::fs::remove_file(&err_path);
-    let killed = libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL;
-    let outcome = if timed_out {
-        Outcome::Timeout
-    } else if killed || cg.oom_kills() > 0 {
-        Outcome::Killed
-    } else if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Outcome::Completed
-    } else {
-        Outcome::Failed
-    };
-    Ok(ChildRun {
-        outcome,
-        stdout,
-        stderr,
-        // ru_inblock counts 512-byte blocks read from storage (page faults and O_DIRECT).
-        read_bytes: usage.ru_inblock as u64 * 512,
-        peak: cg.peak_bytes(),
-    })
-}
-
-/// Sums the prompts' children of one engine under one cap into a row.
-struct Tally {
-    row: CappedRow,
-    decode_s: f64,
-}
-
-impl Tally {
-    fn new(engine: &str, cap: u64) -> Tally {
-        Tally {
-            row: CappedRow {
-                engine: engine.to_string(),
-                cap_bytes: cap,
-                outcome: Outcome::Completed,
-                decode_tokens_per_s: 0.0,
-                runs_tokens_per_s: Vec::new(),
-                peak_cgroup_bytes: None,
-                read_bytes_per_token: 0.0,
-                predicted_read_bytes_per_token: None,
-                disk_bytes_per_s: None,
-                predicted_bound_tok_s: None,
-                tokens_decoded: 0,
-                nll_delta: None,
-                plan_floor: None,
-                plan_resident_bytes: None,
-                note: None,
-            },
-            decode_s: 0.0,
-        }
-    }
-
-    /// Adds one child: its decode figures when it completed (tokens, seconds, and the bytes it
-    /// read while decoding where it counts them; else its block input is taken).
-    fn add(&mut self, run: &ChildRun, decode: Option<Decoded>) {
-        let r = &mut self.row;
-        r.peak_cgroup_bytes = r.peak_cgroup_bytes.max(run.peak);
-        match (run.outcome, decode) {
-            (Outcome::Completed, Some(d)) => {
-                r.tokens_decoded += d.tokens;
-                self.decode_s += d.seconds;
-                r.read_bytes_per_token += d
-                    .read_bytes_per_token
-                    .map_or(run.read_bytes as f64, |b| b * d.tokens as f64);
-            }
-            (outcome, _) => {
-                if r.outcome == Outcome::Completed {
-                    r.outcome = if outcome == Outcome::Completed {
-                        Outcome::Failed
-                    } else {
-                        outcome
-                    };
-                    r.note = run
-                        .stderr
-                        .lines()
-                        .rev()
-                        .find(|l| !l.trim().is_empty())
-                        .map(str::to_string);
-                }
-            }
-        }
-    }
-
-    fn finish(mut self) -> CappedRow {
-        let r = &mut self.row;
-        if r.outcome == Outcome::Completed {
-            r.decode_tokens_per_s = r.tokens_decoded as f64 / self.decode_s.max(1e-9);
-            r.runs_tokens_per_s = vec![r.decode_tokens_per_s];
-            r.read_bytes_per_token /= r.tokens_decoded.max(1) as f64;
-        } else {
-            r.read_bytes_per_token = 0.0;
-            r.runs_tokens_per_s = vec![0.0];
-        }
-        self.row
-    }
-}
-
-/// What a completed child decoded.
-pub(crate) struct Decoded {
-    pub tokens: u64,
-    pub seconds: f64,
-    /// Storage bytes per decoded token by the engine's own count, where it keeps one.
-    pub read_bytes_per_token: Option<f64>,
-}
-
-/// One row per (cap, engine) from `runs` runs of each: the median run by decode tokens/s, with
-/// every run's tokens/s, the highest peak, in the order rows first appear.
-fn medians(all: Vec<CappedRow>) -> Vec<CappedRow> {
-    let mut groups: Vec<Vec<CappedRow>> = Vec::new();
-    for row in all {
-        match groups
-            .iter_mut()
-            .find(|g| g[0].cap_bytes == row.cap_bytes && g[0].engine == row.engine)
-        {
-            Some(g) => g.push(row),
-            None => groups.push(vec![row]),
-        }
-    }
-    groups
-        .into_iter()
-        .map(|g| {
-            let runs: Vec<f64> = g.iter().map(|r| r.decode_tokens_per_s).collect();
-            let peak = g.iter().filter_map(|r| r.peak_cgroup_bytes).max();
-            let nll = g.iter().find_map(|r| r.nll_delta);
-            let mut sorted = g;
-            sorted.sort_by(|a, b| a.decode_tokens_per_s.total_cmp(&b.decode_tokens_per_s));
-            let mut row = sorted.swap_remove(sorted.len() / 2);
-            row.runs_tokens_per_s = runs;
-            row.peak_cgroup_bytes = peak;
-            row.nll_delta = nll;
-            row
-        })
-        .collect()
 }
 
 /// LeanStream's child for one prompt.
@@ -567,56 +384,11 @@ fn leanstream_row(
     Ok(row)
 }
 
-/// One line on a finished row, for the progress log.
-fn row_summary(r: &CappedRow) -> String {
-    let mib = |b: f64| b / (1 << 20) as f64;
-    format!(
-        "  {} at {} MB: {:?}, {:.3} tok/s, {:.1} MiB read per token (plan {}), peak {} MiB",
-        r.engine,
-        r.cap_bytes / 1_000_000,
-        r.outcome,
-        r.decode_tokens_per_s,
-        mib(r.read_bytes_per_token),
-        r.predicted_read_bytes_per_token
-            .map_or("-".into(), |b| format!("{:.1}", mib(b))),
-        r.peak_cgroup_bytes
-            .map_or("-".into(), |b| format!("{:.0}", mib(b as f64))),
-    )
-}
-
 pub use report::{floors, json, svg, table};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn run_of(engine: &str, cap: u64, tps: f64, peak: u64) -> CappedRow {
-        let mut t = Tally::new(engine, cap);
-        t.row.tokens_decoded = 10;
-        t.row.peak_cgroup_bytes = Some(peak);
-        t.decode_s = 10.0 / tps;
-        t.finish()
-    }
-
-    #[test]
-    fn interleaved_runs_fold_into_the_median_run_of_each_row_in_first_seen_order() {
-        let all = vec![
-            run_of("unified", 100, 3.0, 50),
-            run_of("planned-dense", 100, 1.0, 60),
-            run_of("unified", 100, 9.0, 70),
-            run_of("planned-dense", 100, 2.0, 40),
-            run_of("unified", 100, 4.0, 55),
-            run_of("planned-dense", 100, 1.5, 45),
-        ];
-        let rows = medians(all);
-        let names: Vec<&str> = rows.iter().map(|r| r.engine.as_str()).collect();
-        assert_eq!(names, ["unified", "planned-dense"]);
-        assert!((rows[0].decode_tokens_per_s - 4.0).abs() < 1e-9);
-        assert!((rows[1].decode_tokens_per_s - 1.5).abs() < 1e-9);
-        assert_eq!(rows[0].runs_tokens_per_s.len(), 3);
-        assert!((rows[0].runs_tokens_per_s[1] - 9.0).abs() < 1e-9);
-        assert_eq!(rows[0].peak_cgroup_bytes, Some(70));
-    }
 
     #[test]
     fn engines_parse_by_name_and_unknown_names_list_the_known_ones() {
