@@ -134,31 +134,35 @@ impl Policy {
     /// A policy by name: a cache-backed mode (`on-demand`, `prefetch`, `leanstream`) or a step
     /// of [`Policy::ablation`].
     pub fn named(name: &str) -> std::result::Result<Policy, String> {
-        let modes = [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream];
-        modes
-            .into_iter()
-            .filter_map(|m| Some((m.name(), Policy::for_mode(m)?)))
-            .chain(Policy::ablation())
+        Policy::all()
             .find(|(n, _)| *n == name)
             .map(|(_, p)| p)
             .ok_or_else(|| {
                 format!(
                     "unknown sparse policy `{name}` (one of {})",
-                    Policy::NAMES.join(", ")
+                    Policy::names().join(", ")
                 )
             })
     }
 
-    /// Every name [`Policy::named`] knows.
-    pub const NAMES: [&'static str; 7] = [
-        "on-demand",
-        "prefetch",
-        "leanstream",
-        "serial",
-        "overlapped",
-        "refined-load",
-        "refined-retention",
-    ];
+    /// Every name [`Policy::named`] knows, once each.
+    pub fn names() -> Vec<&'static str> {
+        let mut names: Vec<&str> = Vec::new();
+        for (n, _) in Policy::all() {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        names
+    }
+
+    /// The cache-backed modes' policies, then the ablation's steps (`leanstream` is both).
+    fn all() -> impl Iterator<Item = (&'static str, Policy)> {
+        [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream]
+            .into_iter()
+            .filter_map(|m| Some((m.name(), Policy::for_mode(m)?)))
+            .chain(Policy::ablation())
+    }
 }
 
 /// Read priorities: every read of layer `l` outranks every read of a later layer; inside a
