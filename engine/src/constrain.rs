@@ -367,6 +367,18 @@ impl Constraint {
         self.matcher.consume_token(token).map_err(constraint_err)
     }
 
+    /// The tokens that spell the text the grammar allows as the only continuation here (its
+    /// forced bytes, tokenised by greedy longest match), without moving the parser: a draft for
+    /// speculative decoding, which the model's own samples then accept or not. Empty when
+    /// nothing is forced.
+    pub fn forced_tokens(&mut self) -> Vec<u32> {
+        let bytes = self.matcher.compute_ff_bytes();
+        if bytes.is_empty() {
+            return Vec::new();
+        }
+        self.vocab.factory.tok_env().tok_trie().greedy_tokenize(&bytes)
+    }
+
     /// Whether the grammar is complete and cannot go on: the next mask allows only eos.
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()

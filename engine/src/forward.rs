@@ -314,6 +314,65 @@ impl Session {
         Ok(())
     }
 
+    /// Runs `tokens` (at most [`MAX_BATCH`]) at the next positions in one pass, each layer's FFN
+    /// computed by `exec` when given, and writes the logits of every one of them into `out`
+    /// (`tokens.len()` rows of [`Session::logits`]' width, in order): a verification pass of
+    /// speculative decoding. Each row is the same bits as [`Session::forward_batch`] of the
+    /// tokens up to it (or [`Session::forward_with`] through `exec`); every streamed piece is
+    /// read once for all of them.
+    ///
+    /// Errors, before any work, as [`Session::forward_batch`] does, or if `tokens` holds more
+    /// than [`MAX_BATCH`].
+    pub fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        exec: Option<&mut dyn FfnExecutor>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.check_tokens(tokens)?;
+        if tokens.len() > MAX_BATCH {
+            return Err(Error::InvalidArgument {
+                arg: "tokens",
+                reason: format!("{} tokens in one pass (at most {MAX_BATCH})", tokens.len()),
+            });
+        }
+        self.grow_kv(tokens.len())?;
+        let n = tokens.len();
+        out.clear();
+        out.resize(n * self.s.logits.len(), 0.0);
+        let rows: Vec<usize> = (0..n).collect();
+        let mut pass = self.pass(n);
+        pass.seats[0].logits = out;
+        pass.embed(tokens)?;
+        match exec {
+            // As `forward_with`: the executor is not `Send`, so the pass runs where it is called.
+            Some(exec) => {
+                pass.layers_with(exec, &never)?;
+                pass.head(&rows)?;
+            }
+            None => cpu::on_pool(|| {
+                pass.layers(&never)?;
+                pass.head(&rows)
+            })?,
+        }
+        self.pos += n;
+        Ok(())
+    }
+
+    /// Forgets every token after the first `position` ones (the rejected positions of a
+    /// verification pass): the next pass writes over their keys and values. Errors if
+    /// `position` is past the tokens held.
+    pub fn rewind(&mut self, position: usize) -> Result<()> {
+        if position > self.pos {
+            return Err(Error::InvalidArgument {
+                arg: "position",
+                reason: format!("{position} is past the {} tokens held", self.pos),
+            });
+        }
+        self.pos = position;
+        Ok(())
+    }
+
     /// The logits of the last token run (what the last forward pass returned); mutable, for a
     /// sampler that masks them in place.
     pub fn logits(&mut self) -> &mut [f32] {
@@ -409,6 +468,24 @@ pub fn forward_each_unless(
     exec: Option<&mut (dyn FfnExecutor + Send)>,
     stop: &(dyn Fn() -> bool + Sync),
 ) -> Result<bool> {
+    let mut rows: Vec<Option<&mut Vec<f32>>> = sessions.iter().map(|_| None).collect();
+    forward_each_rows(sessions, pieces, &mut rows, exec, stop)
+}
+
+/// [`forward_each_unless`], where a session with `rows[i]` given gets the logits of every
+/// token of its piece there ([`Session::forward_rows`]: a verification pass of speculative
+/// decoding) instead of its last token's in [`Session::logits`]. Verification passes of
+/// several sessions thus run in one pass over the weights, beside decode steps and prompt
+/// pieces.
+///
+/// Errors as [`forward_each_unless`] does, or unless there is one entry of `rows` per session.
+pub fn forward_each_rows(
+    sessions: &mut [&mut Session],
+    pieces: &[&[u32]],
+    rows_out: &mut [Option<&mut Vec<f32>>],
+    exec: Option<&mut (dyn FfnExecutor + Send)>,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<bool> {
     let invalid = |reason: String| Error::InvalidArgument {
         arg: "sessions",
         reason,
@@ -417,7 +494,7 @@ pub fn forward_each_unless(
         return Err(invalid("no session to run".into()));
     };
     let total: usize = pieces.iter().map(|p| p.len()).sum();
-    if pieces.len() != sessions.len() || total > MAX_BATCH {
+    if pieces.len() != sessions.len() || rows_out.len() != sessions.len() || total > MAX_BATCH {
         return Err(invalid(format!(
             "{} pieces of {total} tokens for {} sessions (at most {MAX_BATCH} tokens)",
             pieces.len(),
@@ -442,21 +519,39 @@ pub fn forward_each_unless(
     let mut work = None;
     let mut seats = Vec::with_capacity(sessions.len());
     let mut rows = Vec::with_capacity(total);
-    let mut last_rows = Vec::with_capacity(sessions.len());
-    for (i, (s, piece)) in sessions.iter_mut().zip(pieces).enumerate() {
+    let mut head_rows = Vec::with_capacity(total);
+    for (i, ((s, piece), out)) in sessions
+        .iter_mut()
+        .zip(pieces)
+        .zip(rows_out.iter_mut())
+        .enumerate()
+    {
         let Scratch {
             work: w,
             scores,
             logits,
         } = &mut s.s;
         work.get_or_insert(w);
+        let first = rows.len();
+        rows.extend((s.pos..s.pos + piece.len()).map(|pos| Row { seat: i, pos }));
+        let logits: &mut [f32] = match out {
+            Some(out) => {
+                let width = logits.len();
+                out.clear();
+                out.resize(piece.len() * width, 0.0);
+                head_rows.extend(first..rows.len());
+                out
+            }
+            None => {
+                head_rows.push(rows.len() - 1);
+                logits
+            }
+        };
         seats.push(Seat {
             kv: &mut s.kv,
             scores,
             logits,
         });
-        rows.extend((s.pos..s.pos + piece.len()).map(|pos| Row { seat: i, pos }));
-        last_rows.push(rows.len() - 1);
     }
     let mut pass = Pass {
         model: &model,
@@ -474,7 +569,7 @@ pub fn forward_each_unless(
             None => pass.layers(stop)?,
         };
         if ran {
-            pass.head(&last_rows)?;
+            pass.head(&head_rows)?;
         }
         Ok::<_, Error>(ran)
     })?;

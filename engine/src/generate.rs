@@ -2,13 +2,15 @@
 //! [`Stepper`] is the loop's state between forward passes, resumable; [`generate`] drives one
 //! on a single session, the daemon's scheduler drives many.
 
+pub mod speculate;
 mod stepper;
 
+pub use speculate::{DraftKind, SpeculateMode, Speculation, SpeculationStats};
 pub use stepper::{Emitted, Next, Stepper, StopRules};
 
 use std::time::{Duration, Instant};
 
-use crate::forward::{FfnExecutor, Session};
+use crate::forward::{FfnExecutor, Model, Session};
 
 /// A forward pass that decodes one conversation: the CPU [`Session`], or with feature `cuda`
 /// the GPU's `backend::cuda::CudaSession`. [`generate`] and [`score`] run on either.
@@ -43,6 +45,30 @@ pub trait Decode: std::fmt::Debug {
         }
         self.forward_with(*last, exec)
     }
+    /// Runs `tokens` at the next positions, each layer's FFN through `exec` when given, and
+    /// writes every token's logits into `out` (one row of [`Decode::vocab_size`]-or-wider
+    /// logits each, in order): a verification pass of speculative decoding. Token by token
+    /// unless the session can pass several rows at once (the CPU session reads each weight,
+    /// streamed or not, once for all of them).
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        mut exec: Option<&mut dyn FfnExecutor>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        out.clear();
+        for &t in tokens {
+            let logits = match exec.as_deref_mut() {
+                Some(exec) => self.forward_with(t, exec)?,
+                None => self.forward(t)?,
+            };
+            out.extend_from_slice(logits);
+        }
+        Ok(())
+    }
+    /// Forgets every token after the first `position` (the rejected tokens of a verification
+    /// pass). Errors if `position` is past [`Decode::position`].
+    fn rewind(&mut self, position: usize) -> Result<()>;
     /// Forgets the conversation (what it holds stays allocated for the next one).
     fn reset(&mut self);
     /// Every byte the session holds now, host and device (KV cache and scratch; not the shared
@@ -100,6 +126,17 @@ impl Decode for Session {
         }
         Session::forward_batch_with(self, tokens, exec, &mut |_, _| Ok(()))?;
         Ok(self.logits())
+    }
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        exec: Option<&mut dyn FfnExecutor>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        Session::forward_rows(self, tokens, exec, out)
+    }
+    fn rewind(&mut self, position: usize) -> Result<()> {
+        Session::rewind(self, position)
     }
     fn reset(&mut self) {
         Session::reset(self)
@@ -165,6 +202,8 @@ pub struct GenerationStats {
     pub decode: Duration,
     /// Time in the constraint's mask and advance, if any (already inside prefill and decode).
     pub constraint: Duration,
+    /// What speculative decoding did, when it was on.
+    pub speculation: Option<SpeculationStats>,
 }
 
 impl GenerationStats {
@@ -209,7 +248,7 @@ pub fn generate(
     on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
     generate_constrained(
-        session, prompt, max_tokens, sampler, stop_ids, None, on_token,
+        session, prompt, max_tokens, sampler, stop_ids, None, None, on_token,
     )
 }
 
@@ -220,7 +259,9 @@ pub fn generate(
 /// generation with that error.
 ///
 /// This drives a [`Stepper`] on one session: the whole prompt in one batched pass, then one
-/// forward pass per token.
+/// forward pass per token, or with `speculation` one pass per token and its drafts (the same
+/// tokens; see [`speculate`]). The session ends holding what plain decoding leaves in it.
+#[allow(clippy::too_many_arguments)]
 pub fn generate_constrained(
     session: &mut dyn Decode,
     prompt: &[u32],
@@ -228,6 +269,7 @@ pub fn generate_constrained(
     sampler: &SamplerConfig,
     stop_ids: &[u32],
     mut constraint: Option<&mut Constraint>,
+    speculation: Option<Speculation>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
     let rules = StopRules {
@@ -237,7 +279,12 @@ pub fn generate_constrained(
     };
     let room = session.max_context() - session.position();
     let vocab = session.vocab_size();
+    let start = session.position();
     let mut stepper = Stepper::new(prompt, &[], room, sampler.clone(), vocab, rules)?;
+    if let Some(spec) = speculation {
+        stepper = stepper.speculate(spec);
+    }
+    let mut rows = Vec::new();
     let stop = loop {
         match stepper.next() {
             Next::Prefill(rest) => {
@@ -251,18 +298,42 @@ pub fn generate_constrained(
                     stepper.end(StopReason::Cancelled);
                 }
             }
-            Next::Forward(id) => {
+            Next::Forward(&[id]) => {
                 let logits = session.forward(id)?;
                 stepper.forwarded(logits, constraint.as_deref_mut())?;
+            }
+            Next::Forward(tokens) => {
+                let at = session.position();
+                session.forward_rows(tokens, None, &mut rows)?;
+                let kept = stepper.forwarded(&mut rows, constraint.as_deref_mut())?;
+                session.rewind(at + kept)?;
             }
             Next::Done(reason) => break reason,
         }
     };
+    session.rewind(start + stepper.kv_tokens())?;
     Ok(Generation {
         ids: stepper.ids().to_vec(),
         stop,
         stats: stepper.stats(),
     })
+}
+
+/// The speculation a generation on `model` runs with under `mode`: none when `off`; with
+/// `auto`, drafting at most `max_draft` tokens a pass, priced as a streaming pass when the
+/// model's plan streams weights and as a resident one otherwise (where only drafts that are
+/// nearly always accepted, such as a grammar's forced text, pay).
+pub fn speculation_for(model: &Model, mode: SpeculateMode, max_draft: usize) -> Option<Speculation> {
+    if mode == SpeculateMode::Off || max_draft == 0 {
+        return None;
+    }
+    let streams = model.plan().is_some_and(|p| p.streams() || p.is_sparse());
+    let cost = if streams {
+        speculate::STREAMED_ROW_COST
+    } else {
+        speculate::RESIDENT_ROW_COST
+    };
+    Some(Speculation::with_row_cost(max_draft, cost))
 }
 
 /// Samples the next id from `logits`, masked by and then advancing `constraint` if any (the

@@ -11,7 +11,8 @@ use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 
 use leanstream_engine::forward::Model;
-use leanstream_engine::generate::{Decode, generate_constrained};
+use leanstream_engine::generate::speculate::{DraftKind, MAX_DRAFT};
+use leanstream_engine::generate::{Decode, SpeculateMode, generate_constrained, speculation_for};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, Policy, WithFfn};
 use leanstream_engine::plan::PlacementPolicy;
@@ -87,6 +88,16 @@ pub struct RunArgs {
     /// Constrain the output to the grammar in FILE (llguidance's Lark dialect).
     #[arg(long, value_name = "FILE")]
     pub grammar: Option<PathBuf>,
+    /// Speculative decoding: `auto` drafts tokens (a grammar's forced text, n-grams of the
+    /// context) and verifies them in one pass where measured acceptance pays for the extra
+    /// rows; `off` runs one pass per token. The output is the same either way.
+    #[arg(long, default_value = "auto", value_parser = parse_speculate)]
+    pub speculate: SpeculateMode,
+}
+
+/// `auto` or `off`, for `--speculate`.
+pub fn parse_speculate(s: &str) -> Result<SpeculateMode, String> {
+    SpeculateMode::parse(s).ok_or_else(|| format!("{s:?} is not auto or off"))
 }
 
 /// The grammar `--json-schema` or `--grammar` names, compiled for `model`'s vocabulary.
@@ -207,6 +218,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         &sampler,
         &eos,
         constraint.as_mut(),
+        speculation_for(&model, args.speculate, MAX_DRAFT),
         |id| {
             after_prefill.get_or_insert_with(stream_bytes);
             // The end-of-generation token is not part of the text (as in the daemon's stream).
@@ -290,6 +302,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "sparse_bytes_per_token": p.sparse_bytes_per_token,
                 "cache_bytes": p.floor.cache,
             })),
+            "speculation": {
+                "mode": args.speculate.name(),
+                "on": stats.speculation.is_some(),
+                "tokens_per_pass": stats.speculation.as_ref().map_or(1.0, |s| s.tokens_per_pass()),
+                "passes": stats.speculation.as_ref().map(|s| s.passes),
+                "verify_passes": stats.speculation.as_ref().map(|s| s.verify_passes),
+                "drafts": DraftKind::ALL.map(|k| json!({
+                    "kind": k.name(),
+                    "drafted": stats.speculation.as_ref().map_or(0, |s| s.drafted[k as usize]),
+                    "accepted": stats.speculation.as_ref().map_or(0, |s| s.accepted[k as usize]),
+                    "acceptance": stats.speculation.as_ref().and_then(|s| s.acceptance(k)),
+                })),
+            },
             "read_bytes_per_token": {
                 "stream": stream_per_token,
                 "sparse": sparse_per_token,

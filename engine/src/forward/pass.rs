@@ -125,9 +125,10 @@ impl Pass<'_> {
         Ok(true)
     }
 
-    /// The output head over the rows listed in `rows` (indices into the batch, each of a
-    /// different seat): final norm, then each one's logits into its seat, in one pass over the
-    /// head's weights.
+    /// The output head over the rows listed in `rows` (indices into the batch, in order): final
+    /// norm, then each one's logits into its seat, in one pass over the head's weights. A seat
+    /// with several listed rows (a verification pass) gets them one after the other in its
+    /// logits buffer, which holds that many rows of equal width.
     pub fn head(&mut self, rows: &[usize]) -> Result<()> {
         let w = &self.model.weights;
         let c = &w.config;
@@ -142,17 +143,28 @@ impl Pass<'_> {
             .prepare(&s.xn[..rows.len() * d], self.precision, &mut s.acts);
         let k = self.kernels;
         let (seats, batch) = (&mut self.seats, &self.rows);
+        let mut per_seat = vec![0usize; seats.len()];
+        for &t in rows {
+            per_seat[batch[t].seat] += 1;
+        }
         self.model.for_each_head_piece(&mut |piece| {
-            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(rows.len());
-            // Each listed row names a distinct seat, so each logits slice is borrowed once.
-            let mut by_seat: Vec<Option<&mut [f32]>> =
-                seats.iter_mut().map(|s| Some(&mut *s.logits)).collect();
-            for &t in rows {
-                let logits = by_seat[batch[t].seat]
-                    .take()
-                    .expect("one head row per seat");
-                outs.push(&mut logits[piece.rows.clone()]);
-            }
+            let mut slots: Vec<_> = seats
+                .iter_mut()
+                .zip(&per_seat)
+                .map(|(s, &n)| {
+                    let width = (s.logits.len() / n.max(1)).max(1);
+                    s.logits.chunks_exact_mut(width)
+                })
+                .collect();
+            let outs: Vec<&mut [f32]> = rows
+                .iter()
+                .map(|&t| {
+                    let logits = slots[batch[t].seat]
+                        .next()
+                        .expect("a seat's logits hold a row for each of its head rows");
+                    &mut logits[piece.rows.clone()]
+                })
+                .collect();
             k.matmat_each(x, &piece.m, outs);
             Ok(())
         })

@@ -6,19 +6,27 @@
 //! The caller asks [`Stepper::next`] what is due and answers it:
 //!
 //! ```text
-//! Next::Prefill(rest)  run the first n tokens of `rest` (n ≥ 1)  → Stepper::prefilled(n, logits, c)
-//! Next::Emit(id)       hand token `id` out                       → Stepper::emit(tokenizer)
-//! Next::Forward(id)    run `id`'s forward pass                    → Stepper::forwarded(logits, c)
-//! Next::Done(reason)   the generation is over
+//! Next::Prefill(rest)    run the first n tokens of `rest` (n ≥ 1) → Stepper::prefilled(n, logits, c)
+//! Next::Emit(id)         hand token `id` out                      → Stepper::emit(tokenizer)
+//! Next::Forward(tokens)  run `tokens` in one pass, every row's    → Stepper::forwarded(rows, c)
+//!                        logits kept                                 = kept; rewind to start + kept
+//! Next::Done(reason)     the generation is over; rewind to         Stepper::kv_tokens()
 //! ```
 //!
 //! A token is emitted before its own forward pass is asked for, so a caller that writes it out
-//! at [`Stepper::emit`] hands every token out the moment it exists. The grammar constraint `c`,
-//! when there is one, is the caller's (it outlives the generation: the CLI asks it afterwards
-//! whether the text is complete) and is passed to each sampling call.
+//! at [`Stepper::emit`] hands every token out the moment it exists. `tokens[0]` of a forward
+//! pass is the token emitted last; with [`Speculation`] on, drafts follow it (see
+//! [`super::speculate`]): [`Stepper::forwarded`] samples the rows in order, keeps the drafts
+//! the samples agree with and says how many of the pass's positions the session keeps; the
+//! caller rewinds the session to the pass's start plus that. The tokens it sampled go out one
+//! [`Next::Emit`] at a time. The grammar constraint `c`, when there is one, is the caller's (it
+//! outlives the generation: the CLI asks it afterwards whether the text is complete) and is
+//! passed to each sampling call.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use super::speculate::{DraftKind, Speculation};
 use super::{GenerationStats, StopReason, sample_next};
 use crate::constrain::Constraint;
 use crate::sample::{Sampler, SamplerConfig};
@@ -45,8 +53,8 @@ pub enum Next<'a> {
     Prefill(&'a [u32]),
     /// Token `id` was sampled and goes out next.
     Emit(u32),
-    /// Token `id` was emitted; its forward pass is due.
-    Forward(u32),
+    /// The token emitted last (first), then any draft tokens: one pass over all of them is due.
+    Forward(&'a [u32]),
     /// The generation is over.
     Done(StopReason),
 }
@@ -73,10 +81,21 @@ pub struct Stepper {
     room: usize,
     rules: StopRules,
     sampler: Sampler,
-    /// Tokens the repetition penalty sees: what the session held, the prompt, then the output.
+    /// Tokens the repetition penalty and the lookup drafts see: what the session held, the
+    /// prompt, then every sampled token (emitted or waiting to be).
     history: Vec<u32>,
     /// Generated ids, emitted ones only.
     ids: Vec<u32>,
+    /// Sampled ids waiting to go out, in order.
+    ready: VecDeque<u32>,
+    /// The next forward pass: the token emitted last, then the drafts.
+    pass: Vec<u32>,
+    /// Where `pass`'s drafts came from, and when the pass was asked for.
+    pass_kind: DraftKind,
+    asked: Option<Instant>,
+    speculation: Option<Speculation>,
+    /// The grammar's forced tokens after the last sampled one, as a draft.
+    forced: Vec<u32>,
     state: State,
     /// Emitted text, kept only when there are stop strings to look for.
     text: String,
@@ -91,8 +110,10 @@ pub struct Stepper {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Prefilling,
-    Sampled(u32),
-    Emitted(u32),
+    /// Sampled tokens wait in `ready`.
+    Sampled,
+    /// Everything sampled went out; `pass` is due.
+    Emitted,
     Done(StopReason),
 }
 
@@ -135,6 +156,12 @@ impl Stepper {
             sampler: Sampler::new(sampler, vocab)?,
             history,
             ids: Vec::with_capacity(rules.max_tokens),
+            ready: VecDeque::new(),
+            pass: Vec::new(),
+            pass_kind: DraftKind::Lookup,
+            asked: None,
+            speculation: None,
+            forced: Vec::new(),
             state: State::Prefilling,
             text: String::new(),
             detok: TextStream::default(),
@@ -146,12 +173,18 @@ impl Stepper {
         })
     }
 
+    /// Turns speculative decoding on for this generation (see [`super::speculate`]).
+    pub fn speculate(mut self, speculation: Speculation) -> Stepper {
+        self.speculation = Some(speculation);
+        self
+    }
+
     /// What is due now.
     pub fn next(&self) -> Next<'_> {
         match self.state {
             State::Prefilling => Next::Prefill(&self.prompt[self.fed..]),
-            State::Sampled(id) => Next::Emit(id),
-            State::Emitted(id) => Next::Forward(id),
+            State::Sampled => Next::Emit(self.ready[0]),
+            State::Emitted => Next::Forward(&self.pass),
             State::Done(reason) => Next::Done(reason),
         }
     }
@@ -183,11 +216,13 @@ impl Stepper {
             self.end(StopReason::MaxTokens);
             return Ok(());
         }
-        let id = self.sample(logits, constraint)?;
+        let mut constraint = constraint;
+        self.sample(logits, constraint.as_deref_mut())?;
+        self.note_forced(constraint);
         let now = Instant::now();
         self.stats.prefill = now - self.started;
         self.first_sampled = Some(now);
-        self.state = State::Sampled(id);
+        self.state = State::Sampled;
         Ok(())
     }
 
@@ -196,7 +231,7 @@ impl Stepper {
     ///
     /// Panics unless [`Next::Emit`] was due.
     pub fn emit(&mut self, tokenizer: Option<&Tokenizer>) -> Result<Emitted> {
-        let State::Sampled(id) = self.state else {
+        let (State::Sampled, Some(id)) = (self.state, self.ready.pop_front()) else {
             panic!("Stepper::emit with {:?}", self.state);
         };
         let eos = self.rules.eos.contains(&id);
@@ -207,7 +242,6 @@ impl Stepper {
             _ => String::new(),
         };
         self.ids.push(id);
-        self.history.push(id);
         if !self.rules.strings.is_empty() {
             self.text.push_str(&text);
         }
@@ -225,25 +259,89 @@ impl Stepper {
         };
         match stop {
             Some(reason) => self.end(reason),
-            None => self.state = State::Emitted(id),
+            None if self.ready.is_empty() => self.ask_pass(id),
+            None => {}
         }
         Ok(Emitted { id, text, stop })
     }
 
-    /// The emitted token's forward pass ran; samples the next token from its `logits`.
+    /// Everything sampled went out, the last being `id`: the next pass runs it and whatever the
+    /// speculation drafts after it, within the room left in the context and the generation.
+    fn ask_pass(&mut self, id: u32) {
+        self.pass.clear();
+        self.pass.push(id);
+        if let Some(spec) = self.speculation.as_mut() {
+            // The pass writes at positions fed..fed + len; it samples up to len tokens.
+            let fed = self.prompt.len() + self.ids.len() - 1;
+            let room = self.room.saturating_sub(fed).saturating_sub(1);
+            let left = self.rules.max_tokens.saturating_sub(self.ids.len() + 1);
+            let (kind, drafts) = spec.draft(&self.history, &self.forced, room.min(left));
+            self.pass_kind = kind;
+            self.pass.extend(drafts);
+        }
+        self.asked = Some(Instant::now());
+        self.state = State::Emitted;
+    }
+
+    /// The pass of [`Next::Forward`]'s tokens ran; `rows` holds each one's logits, in order
+    /// (one row when no token was drafted). Samples the rows in order while each sample agrees
+    /// with the draft after it; returns how many of the pass's positions the session keeps
+    /// (the token emitted last and the accepted drafts): the caller rewinds to the pass's
+    /// start plus that.
     ///
-    /// Panics unless [`Next::Forward`] was due.
+    /// Panics unless [`Next::Forward`] was due, or if `rows` is not one row per token.
     pub fn forwarded(
         &mut self,
-        logits: &mut [f32],
+        rows: &mut [f32],
         constraint: Option<&mut Constraint>,
-    ) -> Result<()> {
-        let State::Emitted(_) = self.state else {
-            panic!("Stepper::forwarded with {:?}", self.state);
-        };
-        let id = self.sample(logits, constraint)?;
-        self.state = State::Sampled(id);
-        Ok(())
+    ) -> Result<usize> {
+        let n = self.pass.len();
+        assert!(
+            self.state == State::Emitted && n > 0 && rows.len() % n == 0,
+            "Stepper::forwarded with {:?}, {} values for {n} tokens",
+            self.state,
+            rows.len(),
+        );
+        let width = rows.len() / n;
+        let mut constraint = constraint;
+        let mut kept = 0;
+        for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+            let id = self.sample(row, constraint.as_deref_mut())?;
+            kept = i + 1;
+            let agrees = self.pass.get(i + 1) == Some(&id);
+            let last = self.rules.eos.contains(&id)
+                || self.ids.len() + self.ready.len() >= self.rules.max_tokens;
+            if !agrees || last {
+                break;
+            }
+        }
+        if let (Some(spec), Some(asked)) = (self.speculation.as_mut(), self.asked) {
+            spec.observe(self.pass_kind, n - 1, kept - 1, asked.elapsed());
+        }
+        self.note_forced(constraint);
+        self.state = State::Sampled;
+        Ok(kept)
+    }
+
+    /// How many tokens of this generation the session's KV cache holds at its end, as plain
+    /// decoding leaves it: the prompt fed and every emitted token but the last (whose pass never
+    /// ran). A speculating caller rewinds the session to its start plus this once it is done:
+    /// accepted drafts past a stop are forgotten.
+    pub fn kv_tokens(&self) -> usize {
+        self.fed + self.ids.len().saturating_sub(1)
+    }
+
+    /// The speculation's counts, when it is on.
+    pub fn speculation(&self) -> Option<&super::SpeculationStats> {
+        self.speculation.as_ref().map(Speculation::stats)
+    }
+
+    /// Keeps the grammar's forced tokens after what was just sampled, as the next draft.
+    fn note_forced(&mut self, constraint: Option<&mut Constraint>) {
+        self.forced.clear();
+        if let (Some(_), Some(c)) = (&self.speculation, constraint) {
+            self.forced = c.forced_tokens();
+        }
     }
 
     /// Ends the generation now (a cancel, an error) unless it is over already.
@@ -264,6 +362,7 @@ impl Stepper {
     pub fn stats(&self) -> GenerationStats {
         let mut stats = self.stats.clone();
         stats.generated_tokens = self.ids.len();
+        stats.speculation = self.speculation().cloned();
         if let Some(first) = self.first_sampled {
             let end = self.ended.unwrap_or_else(Instant::now);
             stats.decode = end.saturating_duration_since(first);
@@ -271,6 +370,7 @@ impl Stepper {
         stats
     }
 
+    /// Samples the next token from `logits` and queues it to go out.
     fn sample(&mut self, logits: &mut [f32], constraint: Option<&mut Constraint>) -> Result<u32> {
         let mut spent = Duration::ZERO;
         let id = sample_next(
@@ -281,6 +381,8 @@ impl Stepper {
             Some(&mut spent),
         )?;
         self.stats.constraint += spent;
+        self.history.push(id);
+        self.ready.push_back(id);
         Ok(id)
     }
 }
@@ -288,6 +390,7 @@ impl Stepper {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::generate::{Speculation, SpeculationStats};
     use crate::tokenizer::fixtures::byte_level_vocab;
 
     const VOCAB: usize = 300;
@@ -355,7 +458,7 @@ mod tests {
         let e = s.emit(None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((e.id, e.stop), (40, None));
         // The emitted token's own forward pass comes after it went out.
-        assert_eq!(s.next(), Next::Forward(40));
+        assert_eq!(s.next(), Next::Forward(&[40]));
         s.forwarded(&mut peak(41), None)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(s.next(), Next::Emit(41));
@@ -440,6 +543,69 @@ mod tests {
         assert!(new(&[], 8).is_err());
         assert!(new(&[1, 2, 3], 2).is_err());
         assert!(new(&[1, 2], 2).is_ok());
+    }
+
+    /// A model over ids 10..14 whose next token after `prev` is its successor (mod 4) with
+    /// probability 0.7 and each other id with 0.1.
+    fn markov(prev: u32) -> Vec<f32> {
+        let mut l = vec![f32::NEG_INFINITY; VOCAB];
+        for i in 0..4u32 {
+            let p: f32 = if i == (prev + 1 - 10) % 4 { 0.7 } else { 0.1 };
+            l[10 + i as usize] = p.ln();
+        }
+        l
+    }
+
+    /// `n` tokens sampled with `seed` from [`markov`], with or without speculation (lookup
+    /// drafts are plentiful: four ids repeat); and the speculation's counts.
+    fn sample_markov(n: usize, seed: u64, speculate: bool) -> (Vec<u32>, SpeculationStats) {
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            seed,
+            ..SamplerConfig::default()
+        };
+        let mut s = Stepper::new(&[10, 11], &[], 1 << 20, cfg, VOCAB, rules(n))
+            .unwrap_or_else(|e| panic!("{e}"));
+        if speculate {
+            s = s.speculate(Speculation::new(4));
+        }
+        s.prefilled(2, &mut markov(11), None)
+            .unwrap_or_else(|e| panic!("{e}"));
+        loop {
+            match s.next() {
+                Next::Emit(_) => {
+                    s.emit(None).unwrap_or_else(|e| panic!("{e}"));
+                }
+                Next::Forward(tokens) => {
+                    let mut rows: Vec<f32> = tokens.iter().flat_map(|&t| markov(t)).collect();
+                    let kept = s
+                        .forwarded(&mut rows, None)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    assert!(kept >= 1);
+                }
+                Next::Done(_) => break,
+                Next::Prefill(_) => unreachable!(),
+            }
+        }
+        let spec = s.speculation().cloned().unwrap_or_default();
+        (s.ids().to_vec(), spec)
+    }
+
+    #[test]
+    fn speculative_sampling_keeps_the_models_distribution_and_the_seeded_output() {
+        let n = 6000;
+        let (ids, spec) = sample_markov(n, 7, true);
+        assert!(spec.verify_passes > 100 && spec.accepted[1] > 100, "{spec:?}");
+        // With the same seed, plain decoding samples the same ids.
+        assert_eq!(ids, sample_markov(n, 7, false).0);
+        // And they follow the model: 70 % of transitions go to the successor.
+        let hits = ids
+            .windows(2)
+            .filter(|w| w[1] - 10 == (w[0] + 1 - 10) % 4)
+            .count() as f64;
+        let m = (n - 1) as f64;
+        let sigma = (m * 0.7 * 0.3).sqrt();
+        assert!((hits - 0.7 * m).abs() < 4.0 * sigma, "{hits} of {m}");
     }
 
     #[test]

@@ -283,6 +283,17 @@ impl Decode for WithFfn {
     fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         self.decoder.forward_with(token, exec)
     }
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        _exec: Option<&mut dyn FfnExecutor>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.decoder.forward_rows(tokens, Some(&mut self.exec), out)
+    }
+    fn rewind(&mut self, position: usize) -> Result<()> {
+        self.decoder.rewind(position)
+    }
     fn reset(&mut self) {
         self.decoder.reset()
     }

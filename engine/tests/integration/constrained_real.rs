@@ -9,7 +9,8 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::{Model, Session};
-use leanstream_engine::generate::{StopReason, generate_constrained};
+use leanstream_engine::generate::speculate::MAX_DRAFT;
+use leanstream_engine::generate::{DraftKind, Speculation, StopReason, generate_constrained};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::sample::SamplerConfig;
 use leanstream_engine::testing;
@@ -63,25 +64,43 @@ fn reply(l: &Loaded, request: &str, schema: &str) -> String {
         )
         .expect("render");
     let ids = tok.encode(&prompt).expect("encode");
-    let mut session =
-        Session::new(l.model.clone(), 512, Precision::Exact, KvType::F32).expect("session");
-    let mut constraint = grammar.start();
     let eos = tok.specials().eos.clone();
-    let g = generate_constrained(
-        &mut session,
-        &ids,
-        120,
-        &SamplerConfig::default(),
-        &eos,
-        Some(&mut constraint),
-        |_| true,
-    )
-    .expect("generate");
+    let run = |speculation: Option<Speculation>| {
+        let mut session =
+            Session::new(l.model.clone(), 512, Precision::Exact, KvType::F32).expect("session");
+        let mut constraint = grammar.start();
+        let g = generate_constrained(
+            &mut session,
+            &ids,
+            120,
+            &SamplerConfig::default(),
+            &eos,
+            Some(&mut constraint),
+            speculation,
+            |_| true,
+        )
+        .expect("generate");
+        (g, constraint.is_done(), session.position())
+    };
+    let (g, done, position) = run(None);
+    // The grammar's forced text drafted and verified in one pass gives the same tokens, leaves
+    // the grammar and the session where plain decoding does, and was accepted.
+    let (fast, fast_done, fast_position) = run(Some(Speculation::new(MAX_DRAFT)));
+    assert_eq!(fast.ids, g.ids, "{schema}: speculation changed the output");
+    assert_eq!((fast_done, fast_position), (done, position));
+    let spec = fast.stats.speculation.expect("speculation stats");
+    assert!(
+        spec.accepted[DraftKind::Forced as usize] > 0 && spec.tokens_per_pass() > 1.0,
+        "{schema}: no forced token was accepted: {spec:?}"
+    );
     let (last, text_ids) = g.ids.split_last().expect("at least one token");
     let text = tok.decode(text_ids).expect("decode");
     assert_eq!(g.stop, StopReason::Eos, "{schema}: cut short: {text:?}");
-    assert!(eos.contains(last) && constraint.is_done(), "{text:?}");
-    eprintln!("{request} -> {text}");
+    assert!(eos.contains(last) && done, "{text:?}");
+    eprintln!(
+        "{request} -> {text} ({:.2} tokens a pass with forced drafts)",
+        spec.tokens_per_pass()
+    );
     text
 }
 

@@ -29,6 +29,7 @@ mod pipeline;
 mod planned_model;
 mod quant_blocks;
 mod real_model;
+mod speculative;
 mod streamed_integrity;
 mod streaming_batch;
 mod tiny_models;

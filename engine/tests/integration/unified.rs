@@ -15,10 +15,10 @@ use leanstream_engine::model::lsm::synth::{SynthOptions, SynthShape, SynthTokeni
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::plan::{DiskSpeeds, PlacementPolicy, PlanOptions};
 
-const CONTEXT: usize = 64;
+pub(crate) const CONTEXT: usize = 64;
 const PROMPT: [u32; 6] = [5, 17, 3, 99, 42, 7];
 
-fn synth(dir: &Path) -> std::path::PathBuf {
+pub(crate) fn synth(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("tiny.lsm");
     // Four layers, so that a plan with one dense layer still streams less than the model.
     let mut opts = SynthOptions::new(SynthShape {
@@ -58,7 +58,7 @@ const PIECES: usize = 64 << 10;
 
 /// Plans `path` in less than its weights with a disk as fast for chunks as for large reads (so
 /// every layer pays sparse), then marks the layers `dense` as not paying.
-fn planned(path: &Path, dense: &[usize]) -> Arc<Model> {
+pub(crate) fn planned(path: &Path, dense: &[usize]) -> Arc<Model> {
     let full = Model::load(path).unwrap();
     let mut opts = PlanOptions::for_file(path, PlacementPolicy::Auto).unwrap();
     opts.piece_bytes = PIECES;

@@ -595,6 +595,16 @@ impl crate::generate::Decode for CudaSession {
     fn forward_with(&mut self, token: u32, exec: &mut dyn FfnExecutor) -> Result<&mut [f32]> {
         CudaSession::forward_with(self, token, exec)
     }
+    fn rewind(&mut self, position: usize) -> Result<()> {
+        if position > self.pos {
+            return Err(Error::InvalidArgument {
+                arg: "position",
+                reason: format!("{position} is past the {} tokens held", self.pos),
+            });
+        }
+        self.pos = position;
+        Ok(())
+    }
     fn reset(&mut self) {
         CudaSession::reset(self)
     }
