@@ -376,7 +376,11 @@ impl Constraint {
         if bytes.is_empty() {
             return Vec::new();
         }
-        self.vocab.factory.tok_env().tok_trie().greedy_tokenize(&bytes)
+        self.vocab
+            .factory
+            .tok_env()
+            .tok_trie()
+            .greedy_tokenize(&bytes)
     }
 
     /// Whether the grammar is complete and cannot go on: the next mask allows only eos.

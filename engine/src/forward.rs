@@ -31,6 +31,7 @@ use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use pass::{Pass, Row, Seat, never};
+use planned::HeadSpan;
 pub use planned::Planned;
 use scratch::{Scratch, Shape};
 
@@ -357,6 +358,75 @@ impl Session {
         }
         self.pos += n;
         Ok(())
+    }
+
+    /// The size of the shortlist a draft can choose from without reading anything (the
+    /// output head's resident leading rows), when this session's model has one: see
+    /// [`crate::plan::Plan::shortlist_rows`].
+    pub fn shortlist(&self) -> Option<usize> {
+        self.model.plan().and_then(|p| p.shortlist_rows())
+    }
+
+    /// Runs `token`, then up to `n - 1` more tokens the model drafts itself, one position at a
+    /// time: each the argmax of the logits over the [`Session::shortlist`] rows of the
+    /// position before (the body and those rows are resident, so drafting reads nothing).
+    /// The streamed rest of the head is then read once and applied to all `n` positions:
+    /// `out` gets every position's full logits (`n` rows, as [`Session::forward_rows`] gives
+    /// them, bit for bit) and `fed` the tokens run (`token` first, then the drafts).
+    ///
+    /// Errors, before any work, as [`Session::forward_rows`] does for `n` tokens, or if the
+    /// model has no shortlist.
+    pub fn forward_shortlist(
+        &mut self,
+        token: u32,
+        n: usize,
+        fed: &mut Vec<u32>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let kept = self.shortlist().ok_or_else(|| Error::InvalidArgument {
+            arg: "shortlist",
+            reason: "the model's plan keeps no shortlist of head rows beside a resident body"
+                .into(),
+        })?;
+        let n = n.clamp(1, MAX_BATCH);
+        if n > self.max_context - self.pos {
+            return Err(Error::InvalidArgument {
+                arg: "prompt",
+                reason: format!(
+                    "the context is full ({} tokens free)",
+                    self.max_context - self.pos
+                ),
+            });
+        }
+        self.check_tokens(&[token])?;
+        self.grow_kv(n)?;
+        let (width, d) = (self.s.logits.len(), self.model.weights.config.d_model);
+        out.clear();
+        out.resize(n * width, 0.0);
+        fed.clear();
+        fed.push(token);
+        let mut hidden = vec![0.0f32; n * d];
+        for i in 0..n {
+            let mut pass = self.pass(1);
+            let row = &mut out[i * width..(i + 1) * width];
+            pass.seats[0].logits = row;
+            pass.embed(&fed[i..=i])?;
+            cpu::on_pool(|| {
+                pass.layers(&never)?;
+                pass.head_span(&[0], HeadSpan::Resident)
+            })?;
+            hidden[i * d..(i + 1) * d].copy_from_slice(&pass.work.x[..d]);
+            self.pos += 1;
+            if i + 1 < n {
+                let shortlist = &out[i * width..i * width + kept];
+                fed.push(crate::sample::argmax(shortlist));
+            }
+        }
+        let mut pass = self.pass(n);
+        pass.work.x[..n * d].copy_from_slice(&hidden);
+        pass.seats[0].logits = out;
+        let rows: Vec<usize> = (0..n).collect();
+        cpu::on_pool(|| pass.head_span(&rows, HeadSpan::Streamed))
     }
 
     /// Forgets every token after the first `position` ones (the rejected positions of a

@@ -66,6 +66,27 @@ pub trait Decode: std::fmt::Debug {
         }
         Ok(())
     }
+    /// The size of the shortlist of head rows this session drafts from without reading
+    /// anything ([`Session::forward_shortlist`]); `None` where it has none (the default).
+    fn shortlist(&self) -> Option<usize> {
+        None
+    }
+    /// Runs `token` and up to `n - 1` tokens drafted from the shortlist after it, writing the
+    /// tokens run into `fed` and every position's full logits into `out`
+    /// ([`Session::forward_shortlist`]). A session without a shortlist drafts nothing: it runs
+    /// `token` alone (the default).
+    fn forward_shortlist(
+        &mut self,
+        token: u32,
+        n: usize,
+        fed: &mut Vec<u32>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let _ = n;
+        fed.clear();
+        fed.push(token);
+        self.forward_rows(&[token], None, out)
+    }
     /// Forgets every token after the first `position` (the rejected tokens of a verification
     /// pass). Errors if `position` is past [`Decode::position`].
     fn rewind(&mut self, position: usize) -> Result<()>;
@@ -137,6 +158,18 @@ impl Decode for Session {
     }
     fn rewind(&mut self, position: usize) -> Result<()> {
         Session::rewind(self, position)
+    }
+    fn shortlist(&self) -> Option<usize> {
+        Session::shortlist(self)
+    }
+    fn forward_shortlist(
+        &mut self,
+        token: u32,
+        n: usize,
+        fed: &mut Vec<u32>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        Session::forward_shortlist(self, token, n, fed, out)
     }
     fn reset(&mut self) {
         Session::reset(self)
@@ -284,7 +317,7 @@ pub fn generate_constrained(
     if let Some(spec) = speculation {
         stepper = stepper.speculate(spec);
     }
-    let mut rows = Vec::new();
+    let (mut rows, mut fed) = (Vec::new(), Vec::new());
     let stop = loop {
         match stepper.next() {
             Next::Prefill(rest) => {
@@ -308,6 +341,12 @@ pub fn generate_constrained(
                 let kept = stepper.forwarded(&mut rows, constraint.as_deref_mut())?;
                 session.rewind(at + kept)?;
             }
+            Next::Draft(token, n) => {
+                let at = session.position();
+                session.forward_shortlist(token, n, &mut fed, &mut rows)?;
+                let kept = stepper.drafted(&fed, &mut rows, constraint.as_deref_mut())?;
+                session.rewind(at + kept)?;
+            }
             Next::Done(reason) => break reason,
         }
     };
@@ -323,7 +362,11 @@ pub fn generate_constrained(
 /// `auto`, drafting at most `max_draft` tokens a pass, priced as a streaming pass when the
 /// model's plan streams weights and as a resident one otherwise (where only drafts that are
 /// nearly always accepted, such as a grammar's forced text, pay).
-pub fn speculation_for(model: &Model, mode: SpeculateMode, max_draft: usize) -> Option<Speculation> {
+pub fn speculation_for(
+    model: &Model,
+    mode: SpeculateMode,
+    max_draft: usize,
+) -> Option<Speculation> {
     if mode == SpeculateMode::Off || max_draft == 0 {
         return None;
     }
@@ -333,7 +376,8 @@ pub fn speculation_for(model: &Model, mode: SpeculateMode, max_draft: usize) -> 
     } else {
         speculate::RESIDENT_ROW_COST
     };
-    Some(Speculation::with_row_cost(max_draft, cost))
+    let shortlist = model.plan().and_then(|p| p.shortlist_rows());
+    Some(Speculation::with_row_cost(max_draft, cost).with_shortlist(shortlist))
 }
 
 /// Samples the next id from `logits`, masked by and then advancing `constraint` if any (the

@@ -93,10 +93,11 @@ pub struct BenchArgs {
     /// (`scripts/build-llama` makes one).
     #[arg(long)]
     pub peer_llama: Option<PathBuf>,
-    /// Capped bench: LeanStream's rows at each cap: `unified` (placement auto), `planned-dense`
-    /// (placement dense), or a sparse policy of the FFN layers streamed by neuron (`on-demand`,
-    /// `prefetch`, `leanstream`, or an ablation step: `serial`, `overlapped`, `refined-load`,
-    /// `refined-retention`).
+    /// Capped bench: LeanStream's rows at each cap: `unified` (placement auto), `unified-nospec`
+    /// (placement auto, `--speculate off`), `planned-dense` (placement dense), or a sparse policy
+    /// of the FFN layers streamed by neuron (`on-demand`, `prefetch`, `leanstream`, or an
+    /// ablation step: `serial`, `overlapped`, `refined-load`, `refined-retention`). All but
+    /// `unified-nospec` run with speculative decoding `auto`.
     #[arg(long, value_delimiter = ',', default_value = "unified,planned-dense", value_parser = capped::parse_engine)]
     pub engines: Vec<capped::Engine>,
     /// Capped bench: runs of every row, interleaved; tables show the median run.

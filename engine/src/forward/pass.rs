@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use super::planned::{LayerPieces, PieceView};
+use super::planned::{HeadSpan, LayerPieces, PieceView};
 use super::scratch::Work;
 use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
 use crate::Result;
@@ -130,6 +130,12 @@ impl Pass<'_> {
     /// with several listed rows (a verification pass) gets them one after the other in its
     /// logits buffer, which holds that many rows of equal width.
     pub fn head(&mut self, rows: &[usize]) -> Result<()> {
+        self.head_span(rows, HeadSpan::All)
+    }
+
+    /// [`Pass::head`] over the rows of `span` only: the others of each listed row's logits are
+    /// left as they are.
+    pub fn head_span(&mut self, rows: &[usize], span: HeadSpan) -> Result<()> {
         let w = &self.model.weights;
         let c = &w.config;
         let d = c.d_model;
@@ -147,7 +153,7 @@ impl Pass<'_> {
         for &t in rows {
             per_seat[batch[t].seat] += 1;
         }
-        self.model.for_each_head_piece(&mut |piece| {
+        self.model.for_each_head_piece(span, &mut |piece| {
             let mut slots: Vec<_> = seats
                 .iter_mut()
                 .zip(&per_seat)

@@ -124,6 +124,15 @@ impl LayerPieces<'_> {
     }
 }
 
+/// Which rows of the output head a pass computes: all of them, only the resident ones (a
+/// shortlist draft's logits) or only the streamed ones (the rest, for drafts' hidden states).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeadSpan {
+    All,
+    Resident,
+    Streamed,
+}
+
 /// One piece of the output head: rows `rows` of the logits come from `m`.
 pub(crate) struct HeadPiece<'a> {
     pub rows: std::ops::Range<usize>,
@@ -298,8 +307,11 @@ impl Model {
     /// The output head in the pieces it is computed in, in row order: the whole matrix when
     /// resident, else its resident leading rows (if any) and then each streamed piece as it
     /// arrives (call `f` once per piece).
+    ///
+    /// `span` picks the resident pieces, the streamed ones or both.
     pub(crate) fn for_each_head_piece(
         &self,
+        span: HeadSpan,
         f: &mut dyn FnMut(HeadPiece<'_>) -> Result<()>,
     ) -> Result<()> {
         let out = &self.weights.output;
@@ -308,6 +320,9 @@ impl Model {
             .as_ref()
             .filter(|p| p.plan.head == Placement::Streamed)
         else {
+            if span == HeadSpan::Streamed {
+                return Ok(());
+            }
             return f(HeadPiece {
                 rows: 0..out.rows,
                 m: out.clone(),
@@ -315,7 +330,7 @@ impl Model {
             });
         };
         let kept = p.plan.head_resident_rows;
-        if kept > 0 {
+        if kept > 0 && span != HeadSpan::Streamed {
             let m = out
                 .backing()
                 .slice(0, kept * out.row_bytes())
@@ -329,6 +344,9 @@ impl Model {
                 m,
                 _lease: None,
             })?;
+        }
+        if span == HeadSpan::Resident {
+            return Ok(());
         }
         for &unit in &p.head_units {
             let lease = p.stream.acquire(unit)?;

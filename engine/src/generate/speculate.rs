@@ -17,8 +17,15 @@
 //! Drafts ([`DraftKind`]):
 //! - **forced**: the text a grammar allows as the only continuation (llguidance's forced bytes,
 //!   tokenised greedily); nearly always accepted.
+//! - **shortlist**: the model's own choice over its output head's resident rows, one position
+//!   at a time, where the body is resident and only the rest of the head streams
+//!   ([`crate::forward::Session::forward_shortlist`]); the rest of the head is then read once
+//!   for all the drafted positions instead of once per token.
 //! - **lookup**: the tokens that followed the last earlier occurrence of the context's final
 //!   n-gram (prompt lookup decoding); pays on text that repeats its prompt or itself.
+//!
+//! A grammar's forced text goes first; then the shortlist where the session has one; lookup
+//! otherwise.
 //!
 //! How many to draft: the `j`-th draft token is accepted with probability about `a^j` (`a` the
 //! measured acceptance of its kind) and costs `c` of a one-token pass (an extra row's compute,
@@ -63,16 +70,23 @@ pub enum DraftKind {
     Forced,
     /// Tokens that followed the context's last n-gram earlier on.
     Lookup,
+    /// Tokens the model chose over its head's resident rows.
+    Shortlist,
 }
 
-impl DraftKind {
-    pub const ALL: [DraftKind; 2] = [DraftKind::Forced, DraftKind::Lookup];
+/// Number of [`DraftKind`]s (the length of the per-kind counts).
+pub const KINDS: usize = 3;
 
-    /// `forced` or `lookup`.
+impl DraftKind {
+    pub const ALL: [DraftKind; KINDS] =
+        [DraftKind::Forced, DraftKind::Lookup, DraftKind::Shortlist];
+
+    /// `forced`, `lookup` or `shortlist`.
     pub const fn name(self) -> &'static str {
         match self {
             DraftKind::Forced => "forced",
             DraftKind::Lookup => "lookup",
+            DraftKind::Shortlist => "shortlist",
         }
     }
 }
@@ -105,9 +119,9 @@ pub struct SpeculationStats {
     /// Passes that verified at least one draft token.
     pub verify_passes: usize,
     /// Draft tokens proposed, per kind (in [`DraftKind::ALL`] order).
-    pub drafted: [usize; 2],
+    pub drafted: [usize; KINDS],
     /// Draft tokens accepted, per kind.
-    pub accepted: [usize; 2],
+    pub accepted: [usize; KINDS],
     /// Tokens sampled by the decode phase's passes (each pass samples one plus what it accepted).
     pub sampled: usize,
 }
@@ -136,14 +150,17 @@ pub struct Speculation {
     max_draft: usize,
     /// [`Speculation::row_cost`] until passes of two sizes were timed.
     prior_row_cost: f64,
+    /// Whether the session drafts from its head's resident rows (the size of the shortlist).
+    shortlist: Option<usize>,
     /// Decayed counts of accepted and rejected draft tokens, per kind.
-    hits: [f64; 2],
-    misses: [f64; 2],
+    hits: [f64; KINDS],
+    misses: [f64; KINDS],
     /// Passes since a kind last drafted, per kind.
-    idle: [usize; 2],
-    /// Decayed sums for a least-squares line of pass time over rows: Σw, Σw·n, Σw·n², Σw·t,
-    /// Σw·n·t.
-    fit: [f64; 5],
+    idle: [usize; KINDS],
+    /// Per kind, decayed sums for a least-squares line of pass time over rows: Σw, Σw·n,
+    /// Σw·n², Σw·t, Σw·n·t (a shortlist's row is a pass over the body; a verified row is
+    /// one more row of a batched pass).
+    fit: [[f64; 5]; KINDS],
     stats: SpeculationStats,
 }
 
@@ -159,12 +176,20 @@ impl Speculation {
         Speculation {
             max_draft: max_draft.min(MAX_DRAFT),
             prior_row_cost,
-            hits: [0.0; 2],
-            misses: [0.0; 2],
-            idle: [0; 2],
-            fit: [0.0; 5],
+            shortlist: None,
+            hits: [0.0; KINDS],
+            misses: [0.0; KINDS],
+            idle: [0; KINDS],
+            fit: [[0.0; 5]; KINDS],
             stats: SpeculationStats::default(),
         }
+    }
+
+    /// Drafts from the session's shortlist of `rows` head rows (see
+    /// [`crate::forward::Session::forward_shortlist`]) where no grammar forces text.
+    pub fn with_shortlist(mut self, rows: Option<usize>) -> Speculation {
+        self.shortlist = rows;
+        self
     }
 
     pub fn stats(&self) -> &SpeculationStats {
@@ -177,11 +202,11 @@ impl Speculation {
         (self.hits[i] + 1.0) / (self.hits[i] + self.misses[i] + 2.0)
     }
 
-    /// What one more row adds to a pass, as a share of a one-token pass: the slope of pass
-    /// time over rows divided by its value at one row, from the timed passes; the prior until
-    /// passes of two different sizes were timed.
-    pub fn row_cost(&self) -> f64 {
-        let [w, n, nn, t, nt] = self.fit;
+    /// What one more row of `kind` adds to a pass, as a share of a one-token pass: the slope
+    /// of pass time over rows divided by its value at one row, from the timed passes; the prior
+    /// until passes of two different sizes were timed.
+    pub fn row_cost(&self, kind: DraftKind) -> f64 {
+        let [w, n, nn, t, nt] = self.fit[kind as usize];
         let var = w * nn - n * n;
         if w <= 0.0 || var <= 1e-9 * w * w {
             return self.prior_row_cost;
@@ -196,7 +221,7 @@ impl Speculation {
 
     /// How many of `proposed` draft tokens of `kind` are worth a row each, at most `limit`.
     fn worth(&mut self, kind: DraftKind, proposed: usize, limit: usize) -> usize {
-        let (a, c) = (self.acceptance(kind), self.row_cost());
+        let (a, c) = (self.acceptance(kind), self.row_cost(kind));
         let mut j = 0;
         let mut p = 1.0;
         while j < proposed.min(limit) {
@@ -220,16 +245,16 @@ impl Speculation {
     }
 
     /// The draft after `history` (everything the model has seen and sampled, the last sampled
-    /// token at the end): the grammar's `forced` tokens when there are some, else a lookup in
+    /// token at the end): the grammar's `forced` tokens when there are some, else the
+    /// shortlist's (only a count: the session drafts them while it runs), else a lookup in
     /// `history`; at most `limit` tokens (the room left in the context and the generation),
     /// as many as the policy finds worth a row.
-    pub fn draft(
-        &mut self,
-        history: &[u32],
-        forced: &[u32],
-        limit: usize,
-    ) -> (DraftKind, Vec<u32>) {
+    pub fn draft(&mut self, history: &[u32], forced: &[u32], limit: usize) -> Draft {
         let limit = limit.min(self.max_draft);
+        if forced.is_empty() && self.shortlist.is_some() {
+            let n = self.worth(DraftKind::Shortlist, self.max_draft, limit);
+            return Draft::Shortlist(n);
+        }
         let (kind, mut tokens) = if forced.is_empty() {
             (DraftKind::Lookup, lookup(history, self.max_draft))
         } else {
@@ -237,7 +262,7 @@ impl Speculation {
         };
         let keep = self.worth(kind, tokens.len(), limit);
         tokens.truncate(keep);
-        (kind, tokens)
+        Draft::Tokens(kind, tokens)
     }
 
     /// A decode pass of `rows` positions took `took`; `kind`'s `drafted` tokens in it had
@@ -255,10 +280,19 @@ impl Speculation {
             self.misses[i] = self.misses[i] * DECAY + f64::from(u8::from(accepted < drafted));
         }
         let (n, t) = ((drafted + 1) as f64, took.as_secs_f64());
-        for (sum, add) in self.fit.iter_mut().zip([1.0, n, n * n, t, n * t]) {
+        for (sum, add) in self.fit[i].iter_mut().zip([1.0, n, n * n, t, n * t]) {
             *sum = *sum * DECAY + add;
         }
     }
+}
+
+/// What [`Speculation::draft`] proposes after the token emitted last.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Draft {
+    /// These tokens, from a grammar or a lookup (possibly none).
+    Tokens(DraftKind, Vec<u32>),
+    /// This many tokens from the session's shortlist, drafted while it runs.
+    Shortlist(usize),
 }
 
 /// Up to `max` tokens that followed the most recent earlier occurrence of the longest final
@@ -301,8 +335,9 @@ mod tests {
     fn drafts_shrink_as_acceptance_falls_and_a_dead_kind_is_still_probed() {
         let mut s = Speculation::new(MAX_DRAFT);
         let h: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2].to_vec();
-        let (kind, first) = s.draft(&h, &[], 8);
-        assert_eq!(kind, DraftKind::Lookup);
+        let Draft::Tokens(DraftKind::Lookup, first) = s.draft(&h, &[], 8) else {
+            panic!("no grammar, no shortlist: a lookup");
+        };
         assert!(!first.is_empty(), "a prior of one half drafts something");
         // Every draft rejected, in passes whose time grows with rows (an extra row costs half
         // a pass): the policy stops drafting.
@@ -310,19 +345,32 @@ mod tests {
             let took = Duration::from_millis(10 + 5 * (rows as u64 - 1));
             s.observe(DraftKind::Lookup, rows - 1, 0, took);
         }
-        assert!((s.row_cost() - 0.5).abs() < 0.01, "{}", s.row_cost());
+        let cost = s.row_cost(DraftKind::Lookup);
+        assert!((cost - 0.5).abs() < 0.01, "{cost}");
         let mut probes = 0;
         for _ in 0..PROBE_EVERY {
-            probes += s.draft(&h, &[], 8).1.len();
+            let Draft::Tokens(_, tokens) = s.draft(&h, &[], 8) else {
+                panic!("a lookup");
+            };
+            probes += tokens.len();
         }
         assert_eq!(probes, 1, "one probe token per {PROBE_EVERY} passes");
         // Forced tokens are drafted whole while they are accepted.
         for _ in 0..10 {
             s.observe(DraftKind::Forced, 4, 4, Duration::from_millis(12));
         }
-        assert_eq!(s.draft(&h, &[5, 6, 7, 8], 8), (DraftKind::Forced, vec![5, 6, 7, 8]));
+        let forced = Draft::Tokens(DraftKind::Forced, vec![5, 6, 7, 8]);
+        assert_eq!(s.draft(&h, &[5, 6, 7, 8], 8), forced);
         // The limit (room left) bounds any draft.
-        assert_eq!(s.draft(&h, &[5, 6, 7, 8], 2).1, vec![5, 6]);
+        let two = Draft::Tokens(DraftKind::Forced, vec![5, 6]);
+        assert_eq!(s.draft(&h, &[5, 6, 7, 8], 2), two);
+        // With a shortlist, it drafts where no grammar forces text (with its own prior).
+        let mut s = s.with_shortlist(Some(1000));
+        assert_eq!(s.draft(&h, &[], 8), Draft::Shortlist(3), "0.5^3 > 0.1");
+        assert_eq!(
+            s.draft(&h, &[5, 6], 8),
+            Draft::Tokens(DraftKind::Forced, vec![5, 6])
+        );
         assert_eq!(s.stats().acceptance(DraftKind::Forced), Some(1.0));
         assert_eq!(s.stats().acceptance(DraftKind::Lookup), Some(0.0));
     }

@@ -10,6 +10,8 @@
 //! Next::Emit(id)         hand token `id` out                      → Stepper::emit(tokenizer)
 //! Next::Forward(tokens)  run `tokens` in one pass, every row's    → Stepper::forwarded(rows, c)
 //!                        logits kept                                 = kept; rewind to start + kept
+//! Next::Draft(id, n)     run `id` and up to n - 1 tokens the       → Stepper::drafted(fed, rows, c)
+//!                        session drafts from its shortlist           = kept; rewind as above
 //! Next::Done(reason)     the generation is over; rewind to         Stepper::kv_tokens()
 //! ```
 //!
@@ -26,7 +28,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::speculate::{DraftKind, Speculation};
+use super::speculate::{Draft, DraftKind, Speculation};
 use super::{GenerationStats, StopReason, sample_next};
 use crate::constrain::Constraint;
 use crate::sample::{Sampler, SamplerConfig};
@@ -55,6 +57,9 @@ pub enum Next<'a> {
     Emit(u32),
     /// The token emitted last (first), then any draft tokens: one pass over all of them is due.
     Forward(&'a [u32]),
+    /// The token emitted last, then up to `n - 1` tokens the session drafts from its
+    /// shortlist as it runs ([`crate::generate::Decode::forward_shortlist`]).
+    Draft(u32, usize),
     /// The generation is over.
     Done(StopReason),
 }
@@ -90,8 +95,10 @@ pub struct Stepper {
     ready: VecDeque<u32>,
     /// The next forward pass: the token emitted last, then the drafts.
     pass: Vec<u32>,
-    /// Where `pass`'s drafts came from, and when the pass was asked for.
+    /// Where `pass`'s drafts come from, and when the pass was asked for; for a shortlist
+    /// draft, how many tokens the pass may run.
     pass_kind: DraftKind,
+    pass_rows: usize,
     asked: Option<Instant>,
     speculation: Option<Speculation>,
     /// The grammar's forced tokens after the last sampled one, as a draft.
@@ -159,6 +166,7 @@ impl Stepper {
             ready: VecDeque::new(),
             pass: Vec::new(),
             pass_kind: DraftKind::Lookup,
+            pass_rows: 1,
             asked: None,
             speculation: None,
             forced: Vec::new(),
@@ -184,6 +192,9 @@ impl Stepper {
         match self.state {
             State::Prefilling => Next::Prefill(&self.prompt[self.fed..]),
             State::Sampled => Next::Emit(self.ready[0]),
+            State::Emitted if self.pass_kind == DraftKind::Shortlist && self.pass_rows > 1 => {
+                Next::Draft(self.pass[0], self.pass_rows)
+            }
             State::Emitted => Next::Forward(&self.pass),
             State::Done(reason) => Next::Done(reason),
         }
@@ -270,14 +281,22 @@ impl Stepper {
     fn ask_pass(&mut self, id: u32) {
         self.pass.clear();
         self.pass.push(id);
+        self.pass_rows = 1;
         if let Some(spec) = self.speculation.as_mut() {
             // The pass writes at positions fed..fed + len; it samples up to len tokens.
             let fed = self.prompt.len() + self.ids.len() - 1;
             let room = self.room.saturating_sub(fed).saturating_sub(1);
             let left = self.rules.max_tokens.saturating_sub(self.ids.len() + 1);
-            let (kind, drafts) = spec.draft(&self.history, &self.forced, room.min(left));
-            self.pass_kind = kind;
-            self.pass.extend(drafts);
+            match spec.draft(&self.history, &self.forced, room.min(left)) {
+                Draft::Tokens(kind, drafts) => {
+                    self.pass_kind = kind;
+                    self.pass.extend(drafts);
+                }
+                Draft::Shortlist(n) => {
+                    self.pass_kind = DraftKind::Shortlist;
+                    self.pass_rows = n + 1;
+                }
+            }
         }
         self.asked = Some(Instant::now());
         self.state = State::Emitted;
@@ -295,9 +314,42 @@ impl Stepper {
         rows: &mut [f32],
         constraint: Option<&mut Constraint>,
     ) -> Result<usize> {
+        assert!(
+            !matches!(self.next(), Next::Draft(..)),
+            "Stepper::forwarded when a shortlist draft was due"
+        );
+        self.verify(rows, constraint)
+    }
+
+    /// The pass of [`Next::Draft`] ran the tokens `fed` (the token emitted last, then what the
+    /// session drafted) and `rows` holds each one's logits: as [`Stepper::forwarded`].
+    ///
+    /// Panics unless [`Next::Draft`] was due and `fed` starts with its token and is at most its
+    /// length.
+    pub fn drafted(
+        &mut self,
+        fed: &[u32],
+        rows: &mut [f32],
+        constraint: Option<&mut Constraint>,
+    ) -> Result<usize> {
+        let Next::Draft(token, n) = self.next() else {
+            panic!("Stepper::drafted with {:?}", self.state);
+        };
+        assert!(
+            fed.first() == Some(&token) && fed.len() <= n,
+            "Stepper::drafted: {fed:?} for a draft of {n} after {token}"
+        );
+        self.pass.clear();
+        self.pass.extend_from_slice(fed);
+        self.verify(rows, constraint)
+    }
+
+    /// Samples the rows of the pass of `self.pass` in order while each sample agrees with the
+    /// draft after it; returns how many positions the session keeps.
+    fn verify(&mut self, rows: &mut [f32], constraint: Option<&mut Constraint>) -> Result<usize> {
         let n = self.pass.len();
         assert!(
-            self.state == State::Emitted && n > 0 && rows.len() % n == 0,
+            self.state == State::Emitted && n > 0 && rows.len().is_multiple_of(n),
             "Stepper::forwarded with {:?}, {} values for {n} tokens",
             self.state,
             rows.len(),
@@ -318,9 +370,25 @@ impl Stepper {
         if let (Some(spec), Some(asked)) = (self.speculation.as_mut(), self.asked) {
             spec.observe(self.pass_kind, n - 1, kept - 1, asked.elapsed());
         }
+        self.pass_rows = 1;
         self.note_forced(constraint);
         self.state = State::Sampled;
         Ok(kept)
+    }
+
+    /// Cuts the due forward pass to its first `n` tokens (at least one: the token emitted last
+    /// always stays), dropping the drafts after them: what a caller does when its pass has room
+    /// for fewer rows than were drafted (a scheduler sharing one pass between sessions). The
+    /// dropped drafts count as neither drafted nor rejected.
+    ///
+    /// Panics unless [`Next::Forward`] is due.
+    pub fn trim_pass(&mut self, n: usize) {
+        assert!(
+            self.state == State::Emitted,
+            "Stepper::trim_pass with {:?}",
+            self.state
+        );
+        self.pass.truncate(n.max(1));
     }
 
     /// How many tokens of this generation the session's KV cache holds at its end, as plain
@@ -441,6 +509,7 @@ mod tests {
                     s.forwarded(&mut l, None).unwrap_or_else(|e| panic!("{e}"));
                 }
                 Next::Done(reason) => return (out, reason),
+                Next::Draft(..) => unreachable!("no shortlist"),
             }
         }
     }
@@ -584,7 +653,7 @@ mod tests {
                     assert!(kept >= 1);
                 }
                 Next::Done(_) => break,
-                Next::Prefill(_) => unreachable!(),
+                Next::Prefill(_) | Next::Draft(..) => unreachable!(),
             }
         }
         let spec = s.speculation().cloned().unwrap_or_default();
@@ -595,7 +664,10 @@ mod tests {
     fn speculative_sampling_keeps_the_models_distribution_and_the_seeded_output() {
         let n = 6000;
         let (ids, spec) = sample_markov(n, 7, true);
-        assert!(spec.verify_passes > 100 && spec.accepted[1] > 100, "{spec:?}");
+        assert!(
+            spec.verify_passes > 100 && spec.accepted[1] > 100,
+            "{spec:?}"
+        );
         // With the same seed, plain decoding samples the same ids.
         assert_eq!(ids, sample_markov(n, 7, false).0);
         // And they follow the model: 70 % of transitions go to the successor.

@@ -584,14 +584,12 @@ impl Plan {
             if w.config.tied_embeddings {
                 self.embeddings = Placement::Resident;
             }
-        } else {
-            // The head's first rows fill the room; layers only get what a row cannot use.
-            self.head = Placement::Streamed;
-            self.head_resident_rows = ((room / row_bytes) as usize).min(w.output.rows);
-            room -= self.head_resident_rows as u64 * row_bytes;
         }
         // As many layers as fit, spread evenly; the rest stream. Counted at the largest layer's
         // size, so that whichever layers the spread picks fit (a model's layers have one shape).
+        // A streamed head gets what they leave, row by row: a byte of either is read once a
+        // token, but a resident body lets speculative decoding draft from the head's resident
+        // rows without reading anything (see `generate::speculate`).
         let largest = layer_reads
             .iter()
             .map(|r| total(r))
@@ -599,12 +597,18 @@ impl Plan {
             .unwrap_or(0)
             .max(1);
         let k = ((room / largest) as usize).min(self.layers.len());
+        room -= k as u64 * largest;
         let keep = spread(self.layers.len(), k);
         for ((l, keep), units) in keep.into_iter().enumerate().zip(units) {
             if !keep {
                 self.layers[l] = Placement::Streamed;
                 self.units.extend(units);
             }
+        }
+        if head_streams {
+            // The head's first rows fill what the layers left.
+            self.head = Placement::Streamed;
+            self.head_resident_rows = ((room / row_bytes) as usize).min(w.output.rows);
         }
         if self.head == Placement::Streamed {
             let rows_per_piece = rows_per_piece as usize;
@@ -679,6 +683,19 @@ impl Plan {
     /// Bytes read per decoded token: the dense stream and the sparse layers' expected misses.
     pub fn read_bytes_per_token(&self) -> u64 {
         self.streamed_bytes_per_token() + self.sparse_bytes_per_token
+    }
+
+    /// The head's resident leading rows when they can serve as a draft's shortlist: the head
+    /// streams, some of its rows and every layer are resident and no FFN streams by neuron, so
+    /// a token's pass over the body and those rows reads nothing but its embedding row.
+    /// `None` otherwise.
+    pub fn shortlist_rows(&self) -> Option<usize> {
+        let body_resident = self.layers.iter().all(|l| *l == Placement::Resident);
+        (self.head == Placement::Streamed
+            && self.head_resident_rows > 0
+            && body_resident
+            && !self.is_sparse())
+        .then_some(self.head_resident_rows)
     }
 
     /// Whether any layer's FFN streams by neuron.

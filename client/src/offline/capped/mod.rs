@@ -4,13 +4,14 @@
 //!
 //! Rows ([`Engine`]): LeanStream (`leanstream run --memory-budget CAP`: the memory planner fits
 //! the model into the cap and streams what does not fit) as `unified` (FFN layers may stream by
-//! neuron where that is faster), `planned-dense` (`--placement dense`: the baseline `unified`
-//! must never lose to) and the sparse-policy presets (`--sparse-policy`), and, with
+//! neuron where that is faster), `unified-nospec` (the same without speculative decoding),
+//! `planned-dense` (`--placement dense`: the baseline `unified` must never lose to) and the
+//! sparse-policy presets (`--sparse-policy`), and, with
 //! `--peer-llama DIR`, llama.cpp's `llama-completion` (memory-mapped weights, the kernel's page
 //! cache decides what stays). For each: decode tokens/s, completed or killed (OOM) or timed out,
 //! the cgroup's peak memory, bytes read from storage per decoded token, and for LeanStream the
 //! plan's prediction next to it (bytes per token, the storage-bound tokens/s at the disk's
-//! measured bandwidth).
+//! measured bandwidth, the tokens sampled per decode pass and the drafts' acceptance).
 //!
 //! With `runs` > 1 every row runs that many times, interleaved (each run goes through every cap
 //! and engine before the next starts, so that a disk that slows down or a neighbour that wakes
@@ -20,6 +21,7 @@ mod cgroup;
 mod child;
 mod peer;
 mod report;
+mod speculation;
 mod tally;
 
 use std::path::PathBuf;
@@ -34,6 +36,7 @@ use serde::Serialize;
 
 pub use cgroup::{MemoryCgroup, drop_caches};
 use child::run_capped;
+use speculation::Passes;
 use tally::{Decoded, Tally, medians, row_summary};
 
 /// A cap: bytes, or a share of the reference file's size.
@@ -86,14 +89,20 @@ impl DiskProbe {
     }
 }
 
-/// One LeanStream row of the capped bench.
+/// One LeanStream row of the capped bench. Every engine but `unified-nospec` runs with
+/// `leanstream run`'s default `--speculate auto`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Engine {
-    /// The memory plan with placement `auto` and the `leanstream` policy for sparse layers.
+    /// `unified`: the memory plan with placement `auto` and the `leanstream` policy for sparse
+    /// layers.
     Unified,
-    /// The memory plan with placement `dense`: no FFN layer streams by neuron.
+    /// `unified-nospec`: `unified` with `--speculate off` (one token per decode pass), the
+    /// baseline of the "× no spec" column.
+    UnifiedNoSpec,
+    /// `planned-dense`: the memory plan with placement `dense`: no FFN layer streams by neuron.
     PlannedDense,
-    /// Placement `auto` with another sparse policy (a preset or an ablation step).
+    /// A sparse policy's name: placement `auto` with that policy (a preset or an ablation
+    /// step).
     Policy(String),
 }
 
@@ -101,20 +110,22 @@ impl Engine {
     pub fn name(&self) -> &str {
         match self {
             Engine::Unified => "unified",
+            Engine::UnifiedNoSpec => "unified-nospec",
             Engine::PlannedDense => "planned-dense",
             Engine::Policy(p) => p,
         }
     }
 }
 
-/// Parses `unified`, `planned-dense` or a sparse policy's name.
+/// Parses `unified`, `unified-nospec`, `planned-dense` or a sparse policy's name.
 pub fn parse_engine(s: &str) -> Result<Engine, String> {
     match s.trim() {
         "unified" => Ok(Engine::Unified),
+        "unified-nospec" => Ok(Engine::UnifiedNoSpec),
         "planned-dense" => Ok(Engine::PlannedDense),
         p => Policy::named(p)
             .map(|_| Engine::Policy(p.to_string()))
-            .map_err(|e| format!("{e}, or `unified` or `planned-dense`")),
+            .map_err(|e| format!("{e}, or `unified`, `unified-nospec` or `planned-dense`")),
     }
 }
 
@@ -180,6 +191,12 @@ pub struct CappedRow {
     /// The plan's storage-bound tokens/s at that bandwidth (LeanStream only).
     pub predicted_bound_tok_s: Option<f64>,
     pub tokens_decoded: u64,
+    /// Tokens sampled per decode pass over all prompts (1.0 without speculation; LeanStream
+    /// only).
+    pub tokens_per_pass: Option<f64>,
+    /// Accepted ÷ drafted tokens over all prompts and draft kinds, or `None` when nothing was
+    /// drafted (LeanStream only).
+    pub draft_acceptance: Option<f64>,
     /// Held-out perplexity under the cap ÷ the fully loaded model's, less 1 (LeanStream only).
     pub nll_delta: Option<f64>,
     /// The plan's floor by part and its resident weights, in bytes (LeanStream only).
@@ -207,6 +224,7 @@ fn leanstream_command(
         .args(["--backend", "cpu"]);
     match engine {
         Engine::Unified => cmd.args(["--placement", "auto"]),
+        Engine::UnifiedNoSpec => cmd.args(["--placement", "auto", "--speculate", "off"]),
         Engine::PlannedDense => cmd.args(["--placement", "dense"]),
         Engine::Policy(p) => cmd.args(["--placement", "auto", "--sparse-policy", p]),
     };
@@ -240,7 +258,8 @@ fn run_json(stdout: &str) -> Option<serde_json::Value> {
     serde_json::from_str(line).ok()
 }
 
-/// What a child decoded, and its plan's bytes per token, from `leanstream run --json`.
+/// What a child decoded (with its decode passes and drafts), and its plan's bytes per token,
+/// from `leanstream run --json`.
 fn parse_leanstream(stdout: &str) -> Option<(Decoded, Option<f64>)> {
     let v = run_json(stdout)?;
     let s = &v["stats"];
@@ -252,6 +271,7 @@ fn parse_leanstream(stdout: &str) -> Option<(Decoded, Option<f64>)> {
         tokens,
         seconds: tokens as f64 / tps,
         read_bytes_per_token: v["read_bytes_per_token"]["total"].as_f64(),
+        passes: Passes::from_run_json(&v, tokens),
     };
     (tps > 0.0).then_some((decoded, predicted))
 }
@@ -329,6 +349,7 @@ pub fn run(cfg: &CappedConfig, progress: &mut dyn FnMut(&str)) -> anyhow::Result
                             tokens,
                             seconds,
                             read_bytes_per_token: None,
+                            passes: None,
                         });
                     peer.add(&run, parsed);
                 }
@@ -390,9 +411,72 @@ pub use report::{floors, json, svg, table};
 mod tests {
     use super::*;
 
+    fn config() -> CappedConfig {
+        CappedConfig {
+            model: "m.gguf".into(),
+            gguf: "m.gguf".into(),
+            caps: vec![Cap::Share(0.6)],
+            engines: vec![Engine::Unified, Engine::UnifiedNoSpec],
+            runs: 1,
+            prompts: vec!["p".into()],
+            tokens: 32,
+            context: 256,
+            threads: 2,
+            peer_llama: None,
+            row_timeout: Duration::from_secs(60),
+            disk_probe: None,
+            heldout: "h.txt".into(),
+            heldout_tokens: 0,
+        }
+    }
+
+    /// The child's arguments after `flag`, if it has that flag.
+    fn arg_after(engine: &Engine, flag: &str) -> Option<String> {
+        let cmd = leanstream_command(&config(), engine, 1000, "p").unwrap();
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let at = args.iter().position(|a| a == flag)?;
+        args.get(at + 1).cloned()
+    }
+
+    #[test]
+    fn only_unified_nospec_turns_speculation_off_in_its_child() {
+        let nospec = parse_engine("unified-nospec").unwrap();
+        assert_eq!(arg_after(&nospec, "--speculate").as_deref(), Some("off"));
+        assert_eq!(arg_after(&nospec, "--placement").as_deref(), Some("auto"));
+        for e in ["unified", "planned-dense", "on-demand"] {
+            assert_eq!(
+                arg_after(&parse_engine(e).unwrap(), "--speculate"),
+                None,
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_childs_json_gives_its_tokens_per_pass_and_drafts() {
+        let out = concat!(
+            "generated text\n",
+            r#"{"stats":{"generated_tokens":11,"decode_tokens_per_s":5.0},"#,
+            r#""read_bytes_per_token":{"total":100.0},"speculation":{"mode":"auto","on":true,"#,
+            r#""tokens_per_pass":2.5,"passes":4,"verify_passes":3,"drafts":["#,
+            r#"{"kind":"forced","drafted":2,"accepted":2},"#,
+            r#"{"kind":"lookup","drafted":6,"accepted":4}]}}"#,
+        );
+        let (d, _) = parse_leanstream(out).unwrap();
+        assert_eq!(d.tokens, 10);
+        let p = d.passes.unwrap();
+        assert_eq!(p.tokens_per_pass(), 2.5);
+        assert_eq!(p.acceptance(), Some(0.75));
+    }
+
     #[test]
     fn engines_parse_by_name_and_unknown_names_list_the_known_ones() {
         assert_eq!(parse_engine("unified"), Ok(Engine::Unified));
+        assert_eq!(parse_engine("unified-nospec"), Ok(Engine::UnifiedNoSpec));
+        assert_eq!(Engine::UnifiedNoSpec.name(), "unified-nospec");
         assert_eq!(parse_engine("planned-dense"), Ok(Engine::PlannedDense));
         assert_eq!(
             parse_engine("refined-load"),
@@ -400,7 +484,7 @@ mod tests {
         );
         let e = parse_engine("sparse").unwrap_err();
         assert!(
-            e.contains("on-demand") && e.contains("planned-dense"),
+            e.contains("on-demand") && e.contains("planned-dense") && e.contains("unified-nospec"),
             "{e}"
         );
     }

@@ -6,14 +6,16 @@ use std::fmt::Write as _;
 
 use leanstream_engine::bench::report::escape;
 
-use super::{CappedRow, Outcome};
+use super::{CappedRow, Engine, Outcome};
 use crate::table::{Align, render};
 
 fn mb(b: u64) -> String {
     format!("{:.0}", b as f64 / 1e6)
 }
 
-/// The rows as an aligned table, with LeanStream ÷ llama.cpp at each cap.
+/// The rows as an aligned table, with each LeanStream row's tokens/s ÷ `planned-dense`'s,
+/// `unified-nospec`'s and llama.cpp's at the same cap, and its tokens per decode pass and draft
+/// acceptance.
 pub fn table(rows: &[CappedRow]) -> String {
     let header = [
         "cap MB",
@@ -22,7 +24,10 @@ pub fn table(rows: &[CappedRow]) -> String {
         "tok/s",
         "runs",
         "× dense",
+        "× no spec",
         "× llama",
+        "tok/pass",
+        "accept",
         "peak MiB",
         "read/tok MiB",
         "plan read/tok MiB",
@@ -30,18 +35,11 @@ pub fn table(rows: &[CappedRow]) -> String {
         "plan bound tok/s",
         "nll Δ",
     ];
-    let peer_tps = |cap: u64| {
+    let nospec = Engine::UnifiedNoSpec.name();
+    // The completed row of `engine` at `cap`: its tokens/s.
+    let tps_of = |engine: &str, cap: u64| {
         rows.iter()
-            .find(|r| {
-                r.engine == "llama.cpp" && r.cap_bytes == cap && r.outcome == Outcome::Completed
-            })
-            .map(|r| r.decode_tokens_per_s)
-    };
-    let dense_tps = |cap: u64| {
-        rows.iter()
-            .find(|r| {
-                r.engine == "planned-dense" && r.cap_bytes == cap && r.outcome == Outcome::Completed
-            })
+            .find(|r| r.engine == engine && r.cap_bytes == cap && r.outcome == Outcome::Completed)
             .map(|r| r.decode_tokens_per_s)
     };
     let cells: Vec<Vec<String>> = rows
@@ -64,8 +62,15 @@ pub fn table(rows: &[CappedRow]) -> String {
                 format!("{:?}", r.outcome).to_lowercase(),
                 format!("{:.2}", r.decode_tokens_per_s),
                 runs.join(" "),
-                ratio(dense_tps(r.cap_bytes), "planned-dense"),
-                ratio(peer_tps(r.cap_bytes), "llama.cpp"),
+                ratio(tps_of("planned-dense", r.cap_bytes), "planned-dense"),
+                ratio(tps_of(nospec, r.cap_bytes), nospec),
+                ratio(tps_of("llama.cpp", r.cap_bytes), "llama.cpp"),
+                r.tokens_per_pass
+                    .filter(|_| r.outcome == Outcome::Completed)
+                    .map_or("-".into(), |t| format!("{t:.2}")),
+                r.draft_acceptance
+                    .filter(|_| r.outcome == Outcome::Completed)
+                    .map_or("-".into(), |a| format!("{:.0}%", a * 100.0)),
                 r.peak_cgroup_bytes.map_or("-".into(), |b| {
                     format!("{:.1}", b as f64 / (1 << 20) as f64)
                 }),
@@ -285,6 +290,8 @@ mod tests {
             disk_bytes_per_s: None,
             predicted_bound_tok_s: None,
             tokens_decoded: 10,
+            tokens_per_pass: None,
+            draft_acceptance: None,
             nll_delta: None,
             plan_floor: None,
             plan_resident_bytes: None,
@@ -306,14 +313,51 @@ mod tests {
         let cols =
             |i: usize| -> Vec<&str> { t.lines().nth(i).unwrap().split_whitespace().collect() };
         assert!(cols(1).last() == Some(&"+1.25%"), "{t}");
-        // cap, engine, outcome, tok/s, runs, × dense, × llama
-        assert_eq!(cols(1)[5..7], ["2.50", "10.00"], "{t}");
-        assert_eq!(cols(2)[5..7], ["-", "4.00"], "{t}");
-        assert_eq!(cols(4)[5..7], ["-", "-"], "{t}");
+        // cap, engine, outcome, tok/s, runs, × dense, × no spec, × llama
+        assert_eq!(cols(1)[5..8], ["2.50", "-", "10.00"], "{t}");
+        assert_eq!(cols(2)[5..8], ["-", "-", "4.00"], "{t}");
+        assert_eq!(cols(4)[5..8], ["-", "-", "-"], "{t}");
         assert!(cols(5).contains(&"killed"), "{t}");
         let svg = svg(&rows, "t");
         assert_eq!(svg.matches("<circle").count(), 4);
         assert!(svg.contains('×'));
+    }
+
+    #[test]
+    fn the_table_divides_by_unified_nospec_at_the_same_cap_and_shows_passes_and_acceptance() {
+        let mut rows = [
+            row("unified", 60_000_000, 15.0, Outcome::Completed),
+            row("unified-nospec", 60_000_000, 10.0, Outcome::Completed),
+            row("planned-dense", 60_000_000, 5.0, Outcome::Completed),
+            row("llama.cpp", 60_000_000, 2.0, Outcome::Completed),
+            row("unified", 40_000_000, 9.0, Outcome::Completed),
+            row("unified-nospec", 30_000_000, 3.0, Outcome::Completed),
+        ];
+        rows[0].tokens_per_pass = Some(1.6);
+        rows[0].draft_acceptance = Some(0.6);
+        rows[1].tokens_per_pass = Some(1.0);
+        rows[2].tokens_per_pass = Some(1.25);
+        rows[2].draft_acceptance = Some(0.5);
+        rows[4].tokens_per_pass = Some(1.0);
+        let t = table(&rows);
+        let cols =
+            |i: usize| -> Vec<&str> { t.lines().nth(i).unwrap().split_whitespace().collect() };
+        assert!(t.lines().next().unwrap().contains("× no spec"), "{t}");
+        // cap, engine, outcome, tok/s, runs, × dense, × no spec, × llama, tok/pass, accept
+        assert_eq!(
+            cols(1)[5..10],
+            ["3.00", "1.50", "7.50", "1.60", "60%"],
+            "{t}"
+        );
+        assert_eq!(cols(2)[5..10], ["2.00", "-", "5.00", "1.00", "-"], "{t}");
+        assert_eq!(cols(3)[5..10], ["-", "0.50", "2.50", "1.25", "50%"], "{t}");
+        assert_eq!(cols(4)[5..10], ["-", "-", "-", "-", "-"], "{t}");
+        // No `unified-nospec` row at 40 MB: nothing to divide by.
+        assert_eq!(cols(5)[5..10], ["-", "-", "-", "1.00", "-"], "{t}");
+        let j: serde_json::Value = serde_json::from_str(&json(&rows)).unwrap();
+        assert_eq!(j[0]["tokens_per_pass"], 1.6);
+        assert_eq!(j[0]["draft_acceptance"], 0.6);
+        assert!(j[1]["draft_acceptance"].is_null());
     }
 
     #[test]

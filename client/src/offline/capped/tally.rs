@@ -2,12 +2,15 @@
 //! median row of interleaved runs.
 
 use super::child::ChildRun;
+use super::speculation::Passes;
 use super::{CappedRow, Outcome};
 
 /// Sums the prompts' children of one engine under one cap into a row.
 pub(super) struct Tally {
     pub(super) row: CappedRow,
     decode_s: f64,
+    /// The completed children's decode passes and drafts, where they report them.
+    passes: Option<Passes>,
 }
 
 impl Tally {
@@ -25,12 +28,15 @@ impl Tally {
                 disk_bytes_per_s: None,
                 predicted_bound_tok_s: None,
                 tokens_decoded: 0,
+                tokens_per_pass: None,
+                draft_acceptance: None,
                 nll_delta: None,
                 plan_floor: None,
                 plan_resident_bytes: None,
                 note: None,
             },
             decode_s: 0.0,
+            passes: None,
         }
     }
 
@@ -46,6 +52,9 @@ impl Tally {
                 r.read_bytes_per_token += d
                     .read_bytes_per_token
                     .map_or(run.read_bytes as f64, |b| b * d.tokens as f64);
+                if let Some(p) = d.passes {
+                    self.passes.get_or_insert_with(Passes::default).add(p);
+                }
             }
             (outcome, _) => {
                 if r.outcome == Outcome::Completed {
@@ -71,6 +80,8 @@ impl Tally {
             r.decode_tokens_per_s = r.tokens_decoded as f64 / self.decode_s.max(1e-9);
             r.runs_tokens_per_s = vec![r.decode_tokens_per_s];
             r.read_bytes_per_token /= r.tokens_decoded.max(1) as f64;
+            r.tokens_per_pass = self.passes.map(|p| p.tokens_per_pass());
+            r.draft_acceptance = self.passes.and_then(|p| p.acceptance());
         } else {
             r.read_bytes_per_token = 0.0;
             r.runs_tokens_per_s = vec![0.0];
@@ -85,10 +96,13 @@ pub(crate) struct Decoded {
     pub seconds: f64,
     /// Storage bytes per decoded token by the engine's own count, where it keeps one.
     pub read_bytes_per_token: Option<f64>,
+    /// Decode passes and drafts, where the engine reports them (LeanStream only).
+    pub passes: Option<Passes>,
 }
 
-/// One row per (cap, engine) from `runs` runs of each: the median run by decode tokens/s, with
-/// every run's tokens/s, the highest peak, in the order rows first appear.
+/// One row per (cap, engine) from `runs` runs of each: the median run by decode tokens/s (its
+/// bytes read, tokens per pass and draft acceptance with it), with every run's tokens/s, the
+/// highest peak, in the order rows first appear.
 pub(super) fn medians(all: Vec<CappedRow>) -> Vec<CappedRow> {
     let mut groups: Vec<Vec<CappedRow>> = Vec::new();
     for row in all {
@@ -164,5 +178,61 @@ mod tests {
         assert_eq!(rows[0].runs_tokens_per_s.len(), 3);
         assert!((rows[0].runs_tokens_per_s[1] - 9.0).abs() < 1e-9);
         assert_eq!(rows[0].peak_cgroup_bytes, Some(70));
+    }
+
+    fn child(outcome: Outcome) -> ChildRun {
+        ChildRun {
+            outcome,
+            stdout: String::new(),
+            stderr: "out of memory\n".into(),
+            read_bytes: 0,
+            peak: Some(10),
+        }
+    }
+
+    fn decoded(tokens: u64, passes: f64, drafted: u64, accepted: u64) -> Decoded {
+        Decoded {
+            tokens,
+            seconds: 1.0,
+            read_bytes_per_token: Some(0.0),
+            passes: Some(Passes {
+                passes,
+                sampled: tokens as f64,
+                drafted,
+                accepted,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_row_sums_its_prompts_passes_and_drafts_and_the_median_run_keeps_its_own() {
+        let mut t = Tally::new("unified", 100);
+        t.add(&child(Outcome::Completed), Some(decoded(30, 20.0, 16, 10)));
+        t.add(&child(Outcome::Completed), Some(decoded(10, 10.0, 4, 0)));
+        let row = t.finish();
+        assert!((row.tokens_per_pass.unwrap() - 40.0 / 30.0).abs() < 1e-9);
+        assert_eq!(row.draft_acceptance, Some(0.5));
+
+        let mut t = Tally::new("unified-nospec", 100);
+        t.add(&child(Outcome::Completed), Some(decoded(30, 30.0, 0, 0)));
+        let row = t.finish();
+        assert_eq!(
+            (row.tokens_per_pass, row.draft_acceptance),
+            (Some(1.0), None)
+        );
+
+        let mut t = Tally::new("unified", 100);
+        t.add(&child(Outcome::Completed), Some(decoded(30, 20.0, 16, 10)));
+        t.add(&child(Outcome::Killed), None);
+        let row = t.finish();
+        assert_eq!((row.tokens_per_pass, row.draft_acceptance), (None, None));
+
+        let with = |tps: f64, per_pass: f64| {
+            let mut r = run_of("unified", 100, tps, 1);
+            r.tokens_per_pass = Some(per_pass);
+            r
+        };
+        let rows = medians(vec![with(3.0, 1.2), with(9.0, 1.9), with(4.0, 1.5)]);
+        assert_eq!(rows[0].tokens_per_pass, Some(1.5));
     }
 }
