@@ -372,6 +372,13 @@ pub struct StreamStats {
     /// set or all were met.
     #[serde(default)]
     pub missed_deadlines: Vec<String>,
+    /// Tokens sampled per decode pass: above 1 when speculative decoding verified drafts in
+    /// its passes; 0 when the generation did not speculate (`speculate = "off"`).
+    #[serde(default)]
+    pub speculation_tokens_per_pass: f64,
+    /// Draft tokens accepted ÷ drafted, over every kind of draft; 0 when none was drafted.
+    #[serde(default)]
+    pub draft_acceptance: f64,
 }
 
 /// One line of the token stream.

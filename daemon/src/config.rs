@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::select::{BackendChoice, cuda_available};
+use leanstream_engine::generate::SpeculateMode;
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::Mode;
 use leanstream_engine::plan::PlacementPolicy;
@@ -22,6 +23,7 @@ mod raw;
 
 use checks::{
     check_cache_share, check_sparsity, model_params, parse_kv_type, parse_mode, parse_priority,
+    parse_speculate,
 };
 pub use raw::*;
 
@@ -77,6 +79,10 @@ pub struct ModelParams {
     /// `[models.NAME]` only: load the model when the daemon starts and keep it loaded (as if
     /// pinned with `LoadModel`). Default false.
     pub preload: bool,
+    /// Whether its generations decode speculatively (`speculate`): `auto` (default) drafts
+    /// tokens where the engine finds them worth a row of a pass and verifies them in one pass,
+    /// `off` never. The output is the same either way.
+    pub speculate: SpeculateMode,
     /// The config keys the values came from, for error messages (`models.NAME.sparsity` or
     /// `engine.sparsity`, …).
     pub mode_key: String,
@@ -209,6 +215,8 @@ impl Params {
             placement: PlacementPolicy::Auto,
             keep_alive: parse_keep_alive("engine.keep_alive", e.keep_alive)?.unwrap_or_default(),
             preload: false,
+            speculate: parse_speculate("engine.speculate", e.speculate.as_deref())?
+                .unwrap_or_default(),
             mode_key: "engine.mode".into(),
             sparsity_key: "engine.sparsity".into(),
             cache_share_key: "engine.cache_share".into(),

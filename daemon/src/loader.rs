@@ -17,7 +17,7 @@ use leanstream_engine::backend::cuda::CudaModel;
 use leanstream_engine::chat::ChatTemplate;
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 use leanstream_engine::forward::{Model, Session};
-use leanstream_engine::generate::Decode;
+use leanstream_engine::generate::{Decode, SpeculateMode, Speculation, speculation_for};
 use leanstream_engine::kv::{KvPrefix, KvType};
 use leanstream_engine::model::lsm::{ChunkLayout, LsmFile, PredictorKind};
 use leanstream_engine::model::{load_bytes_estimate, map_file};
@@ -172,6 +172,13 @@ pub struct LoadedModel {
     /// goes in). Paid for once, in the model's reservation, and kept for the model's life. Only
     /// the scheduler's worker thread locks it.
     pub prefixes: Mutex<Vec<SharedPrefix>>,
+    /// Whether generations on the model decode speculatively (the `speculate` key): the
+    /// scheduler asks [`LoadedModel::speculation`] when it starts one.
+    pub speculate: SpeculateMode,
+    /// A test's price of a draft row, in place of the engine's prior: lets a test make drafts
+    /// certain on a model whose passes would otherwise price them out.
+    #[cfg(test)]
+    pub draft_row_cost: Option<f64>,
 }
 
 /// The keys and values of a prompt prefix that sessions of one model and one user share.
@@ -248,6 +255,23 @@ impl LoadedModel {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         Some(exec.cache_bytes() as u64)
+    }
+
+    /// The speculation a generation on this model starts with, drafting at most `max_draft`
+    /// tokens a pass; `None` when `speculate` is `off`. The engine prices a draft row as cheap
+    /// where the model's plan streams weights ([`speculation_for`]); a sparse mode streams its
+    /// FFN through the model's pipeline, outside any plan, and is priced the same way. Either
+    /// price is only a start: the speculation measures its passes and corrects it.
+    pub fn speculation(&self, max_draft: usize) -> Option<Speculation> {
+        let spec = speculation_for(&self.model, self.speculate, max_draft)?;
+        #[cfg(test)]
+        if let Some(cost) = self.draft_row_cost {
+            return Some(Speculation::with_row_cost(max_draft, cost));
+        }
+        if self.ffn.is_some() && self.model.plan().is_none() {
+            return Some(Speculation::new(max_draft));
+        }
+        Some(spec)
     }
 
     /// Whether its sessions run on the GPU (backend `cuda`).
@@ -399,6 +423,9 @@ impl LoadedModel {
             gpu,
             constraint_vocab: OnceLock::new(),
             prefixes: Mutex::new(Vec::new()),
+            speculate: p.speculate,
+            #[cfg(test)]
+            draft_row_cost: None,
         })
     }
 }

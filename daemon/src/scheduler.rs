@@ -28,8 +28,9 @@
 //!    one with the earliest deadline first. A step is a piece of the prompt (prefill: up to
 //!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through the batched pass; one
 //!    token at a time through a sparse pipeline on the GPU) or the forward pass of the token it
-//!    emitted last. A long prompt therefore cannot stall the others: it goes in pieces,
-//!    interleaved with their decode steps.
+//!    emitted last, with the tokens speculative decoding drafted after it (at most
+//!    [`run::max_draft`]; see [`passes`]). A long prompt therefore cannot stall the others: it
+//!    goes in pieces, interleaved with their decode steps.
 //! 3. **One pass for many.** The steps of a round run together where they can: the CPU sessions
 //!    of one model share one pass, decode steps and prompt pieces alike, up to `MAX_BATCH`
 //!    tokens a pass ([`passes`]). In `dense` mode that is one pass over the model's weights; in
@@ -43,7 +44,9 @@
 //! first generated token will fill; a request whose reservation does not fit is refused with
 //! `OverBudget` before it runs. Prompts that arrive together therefore each get all they need or
 //! are refused one by one, instead of each getting part of it and all failing half-way. Decode
-//! steps reserve block by block as before.
+//! steps reserve block by block as before. A generation that speculates also reserves, at its
+//! start, the buffer its verification passes write every row's logits to, and hands it back at
+//! its end; when only the prompt fits, it runs without speculation.
 //!
 //! A prompt that starts with tokens another session of the same user and model has run (a
 //! system prompt) starts from their shared keys and values instead of computing them (see
@@ -518,10 +521,19 @@ impl Worker {
         let (seen, prompt) = ids.split_at(s.seen.len());
         let room = s.session.max_context() - seen.len();
         let vocab = s.model.model.weights.config.vocab_size;
-        let stepper = Stepper::new(prompt, seen, room, spec.sampler.clone(), vocab, rules)
+        let mut stepper = Stepper::new(prompt, seen, room, spec.sampler.clone(), vocab, rules)
             .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
+        let start = s.session.position();
         let budget = self.budget.as_ref();
-        let reserved = Room { id, budget }.reserve_prompt(s.session.as_ref(), &stepper)?;
+        let reserve = Room {
+            id,
+            budget,
+            beside: 0,
+        };
+        let mut reserved = reserve.reserve_prompt(s.session.as_ref(), &stepper)?;
+        let vocab = s.session.vocab_size();
+        let rows;
+        (stepper, rows) = reserve.speculate(stepper, &s.model, vocab, spec.priority, &mut reserved);
         s.run = Some(Run::new(
             stepper,
             constraint,
@@ -529,7 +541,9 @@ impl Worker {
             &spec,
             received,
             ids.len(),
+            start,
             reserved,
+            rows,
         ));
         Ok(())
     }
@@ -547,6 +561,7 @@ impl Worker {
         if r.flush_is_over()
             && let Some(r) = s.run.take()
         {
+            r.rewind_to_end(s.session.as_mut(), &mut s.seen);
             let held = s.session.bytes();
             if r.reserved > held {
                 let _ = self.budget.resize(id, held); // a decrease

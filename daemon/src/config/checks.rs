@@ -42,6 +42,18 @@ pub(super) fn parse_kv_type(key: &str, value: Option<&str>) -> Result<Option<KvT
         .transpose()
 }
 
+/// Parses a `speculate` key: `auto` or `off`.
+pub(super) fn parse_speculate(
+    key: &str,
+    value: Option<&str>,
+) -> Result<Option<SpeculateMode>, ConfigError> {
+    value
+        .map(|v| {
+            SpeculateMode::parse(v).ok_or_else(|| bad(key, format!("`{v}` is not auto or off")))
+        })
+        .transpose()
+}
+
 pub(super) fn check_sparsity(key: &str, value: Option<f64>) -> Result<Option<f64>, ConfigError> {
     match value {
         Some(s) if !(s.is_finite() && (0.0..1.0).contains(&s)) => Err(bad(
@@ -92,6 +104,7 @@ pub(super) fn model_params(
     let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
     let kv_type = parse_kv_type(&key("kv_type"), m.kv_type.as_deref())?;
     let keep_alive = parse_keep_alive(&key("keep_alive"), m.keep_alive)?;
+    let speculate = parse_speculate(&key("speculate"), m.speculate.as_deref())?;
     let placement = m
         .placement
         .as_deref()
@@ -156,5 +169,6 @@ pub(super) fn model_params(
         placement: placement.unwrap_or(engine.placement),
         keep_alive: keep_alive.unwrap_or(engine.keep_alive),
         preload: m.preload.unwrap_or(false),
+        speculate: speculate.unwrap_or(engine.speculate),
     })
 }

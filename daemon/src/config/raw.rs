@@ -80,6 +80,7 @@ pub struct RawModel {
     pub placement: Option<String>,
     pub keep_alive: Option<i64>,
     pub preload: Option<bool>,
+    pub speculate: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -101,6 +102,7 @@ pub struct RawEngine {
     pub backend: Option<String>,
     pub precision: Option<String>,
     pub keep_alive: Option<i64>,
+    pub speculate: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -94,6 +94,39 @@ fn placement_is_auto_by_default_and_goes_with_max_bytes() {
 }
 
 #[test]
+fn speculate_is_auto_by_default_per_model_overrides_and_other_values_name_the_key() {
+    use leanstream_engine::generate::SpeculateMode;
+    let p = params("[models]\ndir = \"DIR\"\n").unwrap();
+    assert_eq!(p.model("m").speculate, SpeculateMode::Auto);
+    let p = params(
+        "[models]\ndir = \"DIR\"\n[engine]\nspeculate = \"off\"\n\
+         [models.a]\nspeculate = \"auto\"\n[models.b]\nmode = \"dense\"\n",
+    )
+    .unwrap();
+    assert_eq!(p.model("a").speculate, SpeculateMode::Auto);
+    assert_eq!(
+        p.model("b").speculate,
+        SpeculateMode::Off,
+        "[engine]'s value"
+    );
+    assert_eq!(p.model("other").speculate, SpeculateMode::Off);
+    for (body, key) in [
+        ("[engine]\nspeculate = \"on\"", "engine.speculate"),
+        ("[models.m]\nspeculate = \"Auto\"", "models.m.speculate"),
+        ("[models.m]\nspeculate = true", "models.m"),
+    ] {
+        let msg = params(&format!("[models]\ndir = \"DIR\"\n{body}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains(key), "{body:?}: {msg}");
+    }
+    let msg = params("[models]\ndir = \"DIR\"\n[engine]\nspeculate = \"on\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("`on` is not auto or off"), "{msg}");
+}
+
+#[test]
 fn keep_alive_is_seconds_zero_or_minus_one_and_preload_is_per_model() {
     let p = params(
         "[models]\ndir = \"DIR\"\n[engine]\nkeep_alive = 300\n\

@@ -171,10 +171,11 @@ fn store_from(
     }
     // The source no longer pays for the shared blocks: a decrease. A prompt it is still
     // running keeps reserved what its rest will fill (the copy of a shared block it writes
-    // into included, which costs less than the blocks it no longer pays for).
+    // into included, which costs less than the blocks it no longer pays for), and its
+    // verification rows buffer.
     let keep = match &mut e.run {
         Some(r) => {
-            r.reserved = need(&*cpu, &r.stepper).min(r.reserved);
+            r.reserved = (need(&*cpu, &r.stepper) + r.rows_bytes()).min(r.reserved);
             r.reserved
         }
         None => cpu.bytes(),

@@ -7,10 +7,11 @@ use std::time::Instant;
 
 use leanstream::contract::{LeanStreamError, Priority, StreamEvent, StreamStats};
 use leanstream_engine::constrain::Constraint;
-use leanstream_engine::generate::{Decode, Next, Stepper, StopReason};
+use leanstream_engine::generate::speculate::MAX_DRAFT;
+use leanstream_engine::generate::{Decode, Next, SpeculationStats, Stepper, StopReason};
 use leanstream_engine::tokenizer::Tokenizer;
 
-use super::{GenSpec, SessionBudget, pipe};
+use super::{GenSpec, LoadedModel, SessionBudget, pipe};
 use crate::memory::SessionId;
 
 /// A generation in flight (see the module docs).
@@ -40,6 +41,13 @@ pub struct Run {
     /// when a step needs more ([`Room::grow`]), and shrinks only when blocks it paid for become
     /// a shared prefix (see the prefix module).
     pub reserved: u64,
+    /// The session's position when the generation started (what its KV cache held of earlier
+    /// turns and shared prefixes): with [`Stepper::kv_tokens`], where it ends.
+    start: usize,
+    /// The logits of every token of a verification pass (speculative decoding), one row each.
+    /// Its capacity, allocated once at the start for the longest pass the speculation asks for,
+    /// is part of [`Run::reserved`]; empty without speculation.
+    pub rows: Vec<f32>,
 }
 
 /// Why a step failed: the budget refused the KV cache's growth, or the engine failed.
@@ -55,8 +63,10 @@ impl From<leanstream_engine::Error> for Failure {
 }
 
 impl Run {
-    /// A generation of a `prompt_tokens`-token prompt, requested at `received`, for which
-    /// `reserved` bytes are reserved.
+    /// A generation of a `prompt_tokens`-token prompt, requested at `received`, on a session
+    /// at position `start`, for which `reserved` bytes are reserved; `rows` is its verification
+    /// rows buffer (see [`Run::rows`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         stepper: Stepper,
         constraint: Option<Constraint>,
@@ -64,7 +74,9 @@ impl Run {
         spec: &GenSpec,
         received: Instant,
         prompt_tokens: usize,
+        start: usize,
         reserved: u64,
+        rows: Vec<f32>,
     ) -> Run {
         Run {
             stepper,
@@ -80,7 +92,33 @@ impl Run {
             shared_decode_passes: 0,
             shared_prompt_passes: 0,
             reserved,
+            start,
+            rows,
         }
+    }
+
+    /// Bytes of the verification rows buffer, which the run's reservation holds beside the
+    /// session's own (0 without speculation).
+    pub fn rows_bytes(&self) -> u64 {
+        (self.rows.capacity() * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// The generation is over: forgets what the session's KV cache holds past what plain
+    /// decoding leaves in it (drafts accepted after the token that stopped it, or a
+    /// verification pass whose sampling failed), and cuts `seen`, its mirror, to match, so that
+    /// a later prompt extending the conversation reuses exactly what is there. A session that
+    /// cannot rewind forgets everything instead.
+    pub fn rewind_to_end(&self, session: &mut dyn Decode, seen: &mut Vec<u32>) {
+        let end = self.start + self.stepper.kv_tokens();
+        if session.position() != end
+            && let Err(e) = session.rewind(end)
+        {
+            tracing::warn!("a session could not rewind to {end} at the end of a generation: {e}");
+            session.reset();
+            seen.clear();
+            return;
+        }
+        seen.truncate(end);
     }
 
     /// Whether the generation can take a step now: it is not ending and its pipe took
@@ -112,33 +150,61 @@ impl Run {
         self.emit_due(tok)
     }
 
-    /// The emitted token's forward pass ran: the next token is sampled and goes out at once.
-    pub fn forwarded(&mut self, logits: &mut [f32], tok: &Tokenizer) -> Result<(), Failure> {
-        self.stepper.forwarded(logits, self.constraint.as_mut())?;
-        self.emit_due(tok)
+    /// The forward pass of the emitted token (and of its drafts, when the speculation drafted
+    /// some) ran: `last` holds its only token's logits, or with `None` the run's
+    /// [`Run::rows`] hold every token's (a verification pass). The tokens sampled from them go
+    /// out at once. Returns how many of the pass's positions the session keeps: the caller
+    /// rewinds it to the pass's start plus that.
+    pub fn forwarded(
+        &mut self,
+        last: Option<&mut [f32]>,
+        tok: &Tokenizer,
+    ) -> Result<usize, Failure> {
+        let constraint = self.constraint.as_mut();
+        let kept = match last {
+            Some(logits) => self.stepper.forwarded(logits, constraint)?,
+            None => self.stepper.forwarded(&mut self.rows, constraint)?,
+        };
+        self.emit_due(tok)?;
+        Ok(kept)
     }
 
-    /// Writes a sampled token to the stream, before any other forward pass runs; queues the
-    /// `done` event when the generation is over.
+    /// The pass of the emitted token and what the session drafted from its shortlist as it
+    /// ran went through the model: `fed` holds the tokens it ran, the run's [`Run::rows`]
+    /// their logits. As [`Run::forwarded`].
+    pub fn drafted(&mut self, fed: &[u32], tok: &Tokenizer) -> Result<usize, Failure> {
+        let constraint = self.constraint.as_mut();
+        let kept = self.stepper.drafted(fed, &mut self.rows, constraint)?;
+        self.emit_due(tok)?;
+        Ok(kept)
+    }
+
+    /// Writes every sampled token to the stream (a verification pass samples several), before
+    /// any other forward pass runs; queues the `done` event when the generation is over.
     fn emit_due(&mut self, tok: &Tokenizer) -> Result<(), Failure> {
-        match self.stepper.next() {
-            Next::Emit(_) => {
-                let token = self.stepper.emit(Some(tok))?;
-                self.first_token_at.get_or_insert_with(Instant::now);
-                self.queue(&StreamEvent::Token {
-                    id: token.id,
-                    text: token.text,
-                });
-                // A full pipe keeps it pending (written when it drains); a closed one ends the
-                // generation when the scheduler settles it.
-                let _ = self.flush();
-                if let Some(reason) = token.stop {
-                    self.end_done(reason);
+        let ended = loop {
+            match self.stepper.next() {
+                Next::Emit(_) => {
+                    let token = self.stepper.emit(Some(tok))?;
+                    self.first_token_at.get_or_insert_with(Instant::now);
+                    self.queue(&StreamEvent::Token {
+                        id: token.id,
+                        text: token.text,
+                    });
+                    if token.stop.is_some() {
+                        break token.stop;
+                    }
                 }
+                Next::Done(reason) => break Some(reason),
+                Next::Prefill(_) | Next::Forward(_) | Next::Draft(..) => break None,
             }
-            Next::Done(reason) => self.end_done(reason),
-            Next::Prefill(_) | Next::Forward(_) => {}
+        };
+        if let Some(reason) = ended {
+            self.end_done(reason);
         }
+        // A full pipe keeps the rest pending (written when it drains); a closed one ends the
+        // generation when the scheduler settles it.
+        let _ = self.flush();
         Ok(())
     }
 
@@ -191,6 +257,11 @@ impl Run {
             cached_prompt_tokens: self.prompt_tokens - st.prompt_tokens,
             priority: self.priority.name().to_string(),
             missed_deadlines,
+            speculation_tokens_per_pass: st
+                .speculation
+                .as_ref()
+                .map_or(0.0, SpeculationStats::tokens_per_pass),
+            draft_acceptance: st.speculation.as_ref().map_or(0.0, acceptance),
         };
         self.queue(&StreamEvent::Done {
             reason: reason.name().into(),
@@ -236,6 +307,10 @@ impl Run {
 pub struct Room<'a> {
     pub id: SessionId,
     pub budget: &'a dyn SessionBudget,
+    /// Bytes the run holds beside the session's own, in its reservation: the verification
+    /// rows buffer ([`Run::rows_bytes`]). Every reservation made here counts them, so that
+    /// raising it for the KV cache never drops them.
+    pub beside: u64,
 }
 
 impl Room<'_> {
@@ -249,11 +324,43 @@ impl Room<'_> {
         session: &dyn Decode,
         stepper: &Stepper,
     ) -> Result<u64, LeanStreamError> {
-        let bytes = need(session, stepper);
+        let bytes = need(session, stepper) + self.beside;
         if bytes > session.bytes() {
             self.budget.resize(self.id, bytes)?;
         }
         Ok(bytes)
+    }
+
+    /// Turns speculative decoding on for `stepper`, a generation of `class` on `model` (whose
+    /// logits are `vocab` wide), when the model speculates and the buffer of its verification
+    /// rows fits the budget beside `reserved`, the run's reservation, which then holds it too.
+    /// Returns the stepper and the buffer, its capacity allocated once for the longest pass
+    /// (empty without speculation). A budget that holds the prompt but not the rows runs the
+    /// generation without speculation: the same tokens, one pass each.
+    pub fn speculate(
+        &self,
+        stepper: Stepper,
+        model: &LoadedModel,
+        vocab: usize,
+        class: Priority,
+        reserved: &mut u64,
+    ) -> (Stepper, Vec<f32>) {
+        let drafts = max_draft(class);
+        let Some(speculation) = model.speculation(drafts) else {
+            return (stepper, Vec::new());
+        };
+        let len = (drafts + 1) * vocab;
+        let bytes = (len * std::mem::size_of::<f32>()) as u64;
+        match self.budget.resize(self.id, *reserved + bytes) {
+            Ok(()) => {
+                *reserved += bytes;
+                (stepper.speculate(speculation), Vec::with_capacity(len))
+            }
+            Err(e) => {
+                tracing::debug!("session {}: runs without speculation: {e}", self.id);
+                (stepper, Vec::new())
+            }
+        }
     }
 
     /// Makes room in the KV cache for `tokens` more tokens: reserves the blocks they need
@@ -270,7 +377,7 @@ impl Room<'_> {
         if extra == 0 {
             return Ok(());
         }
-        let bytes = session.bytes() + extra;
+        let bytes = session.bytes() + extra + self.beside;
         if bytes > *reserved {
             self.budget
                 .resize(self.id, bytes)
@@ -281,13 +388,37 @@ impl Room<'_> {
     }
 }
 
+/// Most tokens a generation of the realtime class drafts a pass: a verification pass of more
+/// rows takes longer, and that class is served for its latency, not its throughput.
+pub const REALTIME_MAX_DRAFT: usize = 2;
+
+/// Most tokens a generation of `class` drafts after each emitted token: the engine's
+/// [`MAX_DRAFT`], or [`REALTIME_MAX_DRAFT`] for the realtime class.
+pub fn max_draft(class: Priority) -> usize {
+    match class {
+        Priority::Realtime => REALTIME_MAX_DRAFT,
+        Priority::Interactive | Priority::Background => MAX_DRAFT,
+    }
+}
+
+/// Accepted ÷ drafted tokens over every kind of draft; 0 when none was drafted.
+fn acceptance(s: &SpeculationStats) -> f64 {
+    let drafted: usize = s.drafted.iter().sum();
+    let accepted: usize = s.accepted.iter().sum();
+    if drafted == 0 {
+        0.0
+    } else {
+        accepted as f64 / drafted as f64
+    }
+}
+
 /// The bytes `session` holds once what `stepper` still has to write up to its first generated
 /// token is in its KV cache: the rest of the prompt and that token while it prefills, nothing
 /// more after that (decode steps reserve block by block: [`Room::grow`]).
 pub fn need(session: &dyn Decode, stepper: &Stepper) -> u64 {
     let ahead = match stepper.next() {
         Next::Prefill(rest) => rest.len() + 1,
-        Next::Forward(_) | Next::Emit(_) | Next::Done(_) => 0,
+        Next::Forward(_) | Next::Draft(..) | Next::Emit(_) | Next::Done(_) => 0,
     };
     session.bytes() + session.kv_growth_bytes(ahead)
 }

@@ -1,8 +1,9 @@
 //! The scheduler's tests: generations on small generated models, alone and side by side;
-//! requests of a hostile client in [`hostile`].
+//! requests of a hostile client in [`hostile`]; speculative decoding in [`speculative`].
 #![allow(clippy::unwrap_used)]
 
 mod hostile;
+mod speculative;
 
 use std::io::Read;
 use std::sync::Mutex;
@@ -93,6 +94,14 @@ fn generate(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
 /// of another kind (a wrapper, which runs alone) holds the worker inside its first pass until
 /// all are admitted, so that they all start in the same round whatever the machine's timing.
 fn generate_queued(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> {
+    generate_queued_for(runs, TOKENS)
+}
+
+/// [`generate_queued`], each generation `max_tokens` long.
+fn generate_queued_for(
+    runs: &[(&Arc<LoadedModel>, &str)],
+    max_tokens: usize,
+) -> Vec<Vec<StreamEvent>> {
     let (events, _events_rx) = tokio::sync::mpsc::unbounded_channel();
     let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
     let (release, gate) = std::sync::mpsc::channel::<()>();
@@ -120,7 +129,7 @@ fn generate_queued(runs: &[(&Arc<LoadedModel>, &str)]) -> Vec<Vec<StreamEvent>> 
             &engine,
             id,
             prompt,
-            spec(TOKENS, Priority::default()),
+            spec(max_tokens, Priority::default()),
             out,
         ));
         readers.push(read);
@@ -237,6 +246,9 @@ impl Decode for Marker {
     ) -> leanstream_engine::Result<&mut [f32]> {
         unreachable!("a marker session is never run")
     }
+    fn rewind(&mut self, _: usize) -> leanstream_engine::Result<()> {
+        Ok(())
+    }
     fn reset(&mut self) {}
     fn bytes(&self) -> u64 {
         0
@@ -305,6 +317,18 @@ impl Decode for Hooked {
     ) -> leanstream_engine::Result<&mut [f32]> {
         self.note();
         self.inner.forward_with(token, exec)
+    }
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        exec: Option<&mut dyn leanstream_engine::forward::FfnExecutor>,
+        out: &mut Vec<f32>,
+    ) -> leanstream_engine::Result<()> {
+        self.note();
+        self.inner.forward_rows(tokens, exec, out)
+    }
+    fn rewind(&mut self, position: usize) -> leanstream_engine::Result<()> {
+        self.inner.rewind(position)
     }
     fn reset(&mut self) {
         self.inner.reset()
@@ -514,7 +538,9 @@ fn streaming_modes_with_sparsity_off_generate_the_dense_tokens() {
         } else {
             ""
         };
-        let toml = format!("[models.tiny]\nmode = \"{mode}\"\nsparsity = 0\n{share}");
+        // Without speculation, so that the pipeline counts one token a decode pass.
+        let toml =
+            format!("[models.tiny]\nmode = \"{mode}\"\nsparsity = 0\nspeculate = \"off\"\n{share}");
         let sparse = Arc::new(load(&fx, &file, &toml));
         // Alongside a dense generation, as the scheduler interleaves them.
         let out = generate(&[(&sparse, PROMPT), (&dense, PROMPT)]);
