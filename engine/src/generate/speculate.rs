@@ -108,6 +108,12 @@ pub const PROBE_EVERY: usize = 16;
 pub const STREAMED_ROW_COST: f64 = 0.1;
 pub const RESIDENT_ROW_COST: f64 = 0.5;
 
+/// Accepted draft tokens counted before any was drafted, per kind (in [`DraftKind::ALL`]
+/// order; one rejection is never counted beforehand): a grammar's forced text starts at an
+/// acceptance of 0.9 (it is what the grammar allows, so the model nearly always agrees), the
+/// others at one half.
+const PRIOR_HITS: [f64; KINDS] = [8.0, 0.0, 0.0];
+
 /// Weight of the past in the measured acceptance and pass times, per observation.
 const DECAY: f64 = 0.95;
 
@@ -177,7 +183,7 @@ impl Speculation {
             max_draft: max_draft.min(MAX_DRAFT),
             prior_row_cost,
             shortlist: None,
-            hits: [0.0; KINDS],
+            hits: PRIOR_HITS,
             misses: [0.0; KINDS],
             idle: [0; KINDS],
             fit: [[0.0; 5]; KINDS],
@@ -196,7 +202,8 @@ impl Speculation {
         &self.stats
     }
 
-    /// The measured acceptance of `kind`'s next draft token (a prior of one half before any).
+    /// The measured acceptance of `kind`'s next draft token (the prior of [`PRIOR_HITS`] before
+    /// any).
     fn acceptance(&self, kind: DraftKind) -> f64 {
         let i = kind as usize;
         (self.hits[i] + 1.0) / (self.hits[i] + self.misses[i] + 2.0)
