@@ -30,6 +30,7 @@ mod planned_model;
 mod quant_blocks;
 mod real_model;
 mod speculative;
+mod speculative_real;
 mod streamed_integrity;
 mod streaming_batch;
 mod tiny_models;
