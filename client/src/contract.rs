@@ -343,6 +343,13 @@ pub struct SessionStats {
     pub position: u32,
     pub generations: u32,
     pub generated_tokens: u64,
+    /// Forward passes of the session's decode phases (each emits at least one token; with
+    /// speculative decoding, one plus the drafts it accepted): `generated_tokens` ÷ this is
+    /// the tokens per pass.
+    pub decode_passes: u64,
+    /// Draft tokens speculative decoding verified, and how many of them it accepted.
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
 }
 
 /// Statistics sent at the end of a stream.

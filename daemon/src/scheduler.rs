@@ -153,9 +153,37 @@ pub enum Report {
         accepted: bool,
         generated: u64,
         position: u32,
+        passes: DecodePasses,
     },
     /// A closed session has been dropped: its memory is handed back.
     Dropped { id: SessionId },
+}
+
+/// What a generation's decode phase ran: its forward passes, and the draft tokens they verified
+/// and accepted (none without speculation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DecodePasses {
+    pub passes: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+impl DecodePasses {
+    /// Those of `stepper`'s generation: its speculation's counts, or one pass per generated
+    /// token after the first without speculation.
+    fn of(stepper: &Stepper) -> DecodePasses {
+        match stepper.speculation() {
+            Some(s) => DecodePasses {
+                passes: s.passes as u64,
+                drafted: s.drafted.iter().sum::<usize>() as u64,
+                accepted: s.accepted.iter().sum::<usize>() as u64,
+            },
+            None => DecodePasses {
+                passes: stepper.ids().len().saturating_sub(1) as u64,
+                ..DecodePasses::default()
+            },
+        }
+    }
 }
 
 /// Where the scheduler reserves memory before a session's KV cache grows or a model keeps
@@ -280,6 +308,7 @@ fn refuse(
         accepted: false,
         generated: 0,
         position,
+        passes: DecodePasses::default(),
     });
     let _ = reply.send(Err(error));
 }
@@ -434,7 +463,7 @@ impl Worker {
                         // its pipe fill up gets EOF.
                         r.end_with_error("Cancelled", "the session was closed");
                         let _ = r.flush();
-                        self.finished(id, true, 0, 0);
+                        self.finished(id, 0, 0, DecodePasses::default());
                     }
                     drop(s);
                     leanstream_engine::alloc::trim();
@@ -474,13 +503,14 @@ impl Worker {
         }
     }
 
-    fn finished(&self, id: SessionId, accepted: bool, generated: u64, position: u32) {
+    fn finished(&self, id: SessionId, generated: u64, position: u32, passes: DecodePasses) {
         self.note_position(id, position);
         let _ = self.reports.send(Report::Finished {
             id,
-            accepted,
+            accepted: true,
             generated,
             position,
+            passes,
         });
     }
 
@@ -567,7 +597,8 @@ impl Worker {
                 let _ = self.budget.resize(id, held); // a decrease
             }
             let position = s.session.position() as u32;
-            self.finished(id, true, r.stepper.ids().len() as u64, position);
+            let passes = DecodePasses::of(&r.stepper);
+            self.finished(id, r.stepper.ids().len() as u64, position, passes);
         }
     }
 

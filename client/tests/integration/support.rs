@@ -441,6 +441,9 @@ impl MockSession {
             position: 0,
             generations: self.generations.load(Ordering::Relaxed),
             generated_tokens: 0,
+            decode_passes: 0,
+            draft_tokens: 0,
+            accepted_draft_tokens: 0,
         },)
     }
 }

@@ -25,5 +25,5 @@ fn wire_types_have_the_documented_signatures() {
         sig::<MemoryReport>(),
         "(ttta(sttttsttx(tttttt))a(osst)a(sut))"
     );
-    assert_eq!(sig::<SessionStats>(), "(suuut)");
+    assert_eq!(sig::<SessionStats>(), "(suuutttt)");
 }

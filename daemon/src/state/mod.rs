@@ -38,7 +38,7 @@ use crate::loader::{Footprint, LoadError};
 use crate::memory::{Memory, SessionId};
 use crate::models::{self, ModelFile};
 use crate::request::{Reply, Request};
-use crate::scheduler::{Command, GenSpec, Input, LoadedModel, Report};
+use crate::scheduler::{Command, DecodePasses, GenSpec, Input, LoadedModel, Report};
 use crate::typed::Typed;
 use holds::{Holds, Unload};
 
@@ -159,6 +159,8 @@ struct SessionEntry {
     position: u32,
     generations: u32,
     generated_tokens: u64,
+    /// The decode passes of its generations, and the draft tokens they verified and accepted.
+    passes: DecodePasses,
 }
 
 /// A client (unique bus name) the state owner has seen on the bus, from its first request that
@@ -329,13 +331,14 @@ impl<M: Memory> State<M> {
     }
 
     fn engine_event(&mut self, ev: Report) {
-        let (id, accepted, generated, position) = match ev {
+        let (id, accepted, generated, position, passes) = match ev {
             Report::Finished {
                 id,
                 accepted,
                 generated,
                 position,
-            } => (id, accepted, generated, position),
+                passes,
+            } => (id, accepted, generated, position, passes),
             // A closed session's memory is free now: caches may grow into it.
             Report::Dropped { id } => {
                 tracing::debug!("session {id} dropped by the scheduler");
@@ -348,6 +351,9 @@ impl<M: Memory> State<M> {
             if accepted {
                 s.generations += 1;
                 s.generated_tokens += generated;
+                s.passes.passes += passes.passes;
+                s.passes.drafted += passes.drafted;
+                s.passes.accepted += passes.accepted;
             }
         }
     }
@@ -457,6 +463,9 @@ impl<M: Memory> State<M> {
                     position: s.position,
                     generations: s.generations,
                     generated_tokens: s.generated_tokens,
+                    decode_passes: s.passes.passes,
+                    draft_tokens: s.passes.drafted,
+                    accepted_draft_tokens: s.passes.accepted,
                 });
                 let _ = reply.send(r);
             }
@@ -878,6 +887,7 @@ impl<M: Memory> State<M> {
                 position: 0,
                 generations: 0,
                 generated_tokens: 0,
+                passes: DecodePasses::default(),
             },
         );
         Ok((id, ()))

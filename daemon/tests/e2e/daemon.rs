@@ -147,6 +147,40 @@ fn a_vanished_client_loses_its_sessions_and_memory_at_once() -> anyhow::Result<(
 }
 
 #[test]
+fn a_sessions_stats_count_its_decode_passes_and_the_drafts_they_verified() -> anyhow::Result<()> {
+    runtime().block_on(async {
+        let bus = Bus::start()?;
+        // Under max_bytes the weights stream, so speculation drafts; the output repeats itself,
+        // so lookup drafts are accepted.
+        let config = DaemonConfig {
+            extra: format!("[models.{MODEL}]\nmax_bytes = \"48MB\"\n"),
+            ..DaemonConfig::default()
+        };
+        let _daemon = crate::start_daemon(&bus, &config).await?;
+        let client = Client::new(&bus).await?;
+        let session = client.open(128).await?;
+        // SmolLM2 repeats its second sentence ("We're going to be using it for the next 2
+        // weeks") in its first 32 greedy tokens.
+        let prompt = "Dear team, this week we finished the new charging dock and";
+        let out = read_stream(session.generate(prompt, &greedy(32)).await?).await?;
+        assert_eq!(out.ids.len(), 32);
+        let stats = session.stats().await?;
+        assert_eq!(stats.generated_tokens, 32);
+        // Each decode pass samples one token plus the drafts it accepted.
+        assert_eq!(
+            stats.decode_passes + stats.accepted_draft_tokens,
+            31,
+            "{stats:?}"
+        );
+        assert!(
+            stats.accepted_draft_tokens > 0 && stats.draft_tokens >= stats.accepted_draft_tokens,
+            "{stats:?}"
+        );
+        Ok(())
+    })
+}
+
+#[test]
 fn another_connection_cannot_use_a_session() -> anyhow::Result<()> {
     runtime().block_on(async {
         let bus = Bus::start()?;
@@ -548,7 +582,13 @@ fn replies_have_the_introspected_signatures_and_argument_lists_are_strict() -> a
                 "ListModels",
                 "a(sssstb)",
             ),
-            (session, SESSION_INTERFACE, &session_xml, "Stats", "(suuut)"),
+            (
+                session,
+                SESSION_INTERFACE,
+                &session_xml,
+                "Stats",
+                "(suuutttt)",
+            ),
         ] {
             assert_eq!(out_signature(xml, method)?, want, "{method} introspected");
             let reply = call(&c.conn, path, interface, method, &()).await?;
