@@ -256,12 +256,22 @@ fn report_end(generation: &Generation) {
         0 => String::new(),
         n => format!(" ({n} cached)"),
     };
+    // Speculative decoding: the tokens each decode pass gave, when a pass gave more than one.
+    let speculated = if s.speculation_tokens_per_pass > 1.0 {
+        format!(
+            " ({:.2} tokens a pass, {:.0} % of drafts accepted)",
+            s.speculation_tokens_per_pass,
+            s.draft_acceptance * 100.0
+        )
+    } else {
+        String::new()
+    };
     let missed = match s.missed_deadlines.as_slice() {
         [] => String::new(),
         m => format!("; missed deadlines: {}", m.join(", ")),
     };
     eprintln!(
-        "[{} prompt{cached} + {} generated tokens, stop: {}; first token {:.2} s, prefill {:.1} tok/s, decode {:.1} tok/s{missed}]",
+        "[{} prompt{cached} + {} generated tokens, stop: {}; first token {:.2} s, prefill {:.1} tok/s, decode {:.1} tok/s{speculated}{missed}]",
         s.prompt_tokens,
         s.generated_tokens,
         generation.reason,
