@@ -10,30 +10,6 @@ use leanstream::contract::{ClientMemory, MemoryReport};
 /// The `client` name under which the other clients' totals are reported.
 pub const OTHER_CLIENTS: &str = "(other clients)";
 
-/// Whether the caller with unique bus name `client` sees every client. Asks the bus for the
-/// caller's uid; if the bus cannot say, the caller sees only its own.
-pub async fn sees_everything(
-    conn: &zbus::Connection,
-    client: &str,
-    admin_group: Option<&str>,
-) -> bool {
-    let Ok(name) = zbus::names::BusName::try_from(client) else {
-        return false;
-    };
-    let uid = match zbus::fdo::DBusProxy::new(conn).await {
-        Ok(bus) => match bus.get_connection_unix_user(name).await {
-            Ok(uid) => uid,
-            Err(_) => return false,
-        },
-        Err(_) => return false,
-    };
-    let admin_group = admin_group.map(str::to_owned);
-    // User and group lookups may go through NSS (files, LDAP): off the async workers.
-    tokio::task::spawn_blocking(move || privileged(uid, admin_group.as_deref()))
-        .await
-        .unwrap_or(false)
-}
-
 /// Root, the daemon's own user, and members of `admin_group` (primary or supplementary).
 pub(crate) fn privileged(uid: u32, admin_group: Option<&str>) -> bool {
     use nix::unistd::{Group, Uid, User, getgrouplist};

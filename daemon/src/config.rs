@@ -16,13 +16,13 @@ use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::Mode;
 use leanstream_engine::plan::PlacementPolicy;
 
-use crate::arbiter::Priority;
+use crate::arbiter::CacheClass;
 
 mod checks;
 mod raw;
 
 use checks::{
-    check_cache_share, check_sparsity, model_params, parse_kv_type, parse_mode, parse_priority,
+    check_cache_share, check_sparsity, model_params, parse_cache_class, parse_kv_type, parse_mode,
     parse_speculate,
 };
 pub use raw::*;
@@ -62,7 +62,7 @@ pub struct ModelParams {
     pub cache_share: f64,
     /// Which neuron caches yield memory first: a model's cache is served after those of
     /// higher-priority models (`background` < `normal` < `interactive`). Default `normal`.
-    pub priority: Priority,
+    pub cache_class: CacheClass,
     /// Element type of its sessions' KV caches: `f16` (default), `f32` or `q8_0`.
     pub kv_type: KvType,
     /// `dense` mode only, `[models.NAME]` only: the most the model itself may hold (weights,
@@ -209,7 +209,8 @@ impl Params {
             sparsity: check_sparsity("engine.sparsity", e.sparsity)?,
             cache_share: check_cache_share("engine.cache_share", e.cache_share)?
                 .unwrap_or(DEFAULT_CACHE_SHARE),
-            priority: parse_priority("engine.priority", e.priority.as_deref())?.unwrap_or_default(),
+            cache_class: parse_cache_class("engine.priority", e.priority.as_deref())?
+                .unwrap_or_default(),
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             max_bytes: None,
             placement: PlacementPolicy::Auto,

@@ -20,11 +20,10 @@ use crate::calls::Calls;
 use crate::catalog::Catalog;
 use crate::config::Params;
 use crate::directory;
-use crate::memory;
 use crate::request::Request;
 use crate::scheduler::{Scheduler, SessionBudget};
 use crate::service::{Manager, Shared};
-use crate::state::{Budget, State};
+use crate::state::{Budget, BusPort, Inbox, State};
 use crate::typed::Typed;
 
 /// Depth of the request channel between the D-Bus objects and the state owner.
@@ -127,16 +126,21 @@ pub async fn run(
     directory::serve(&conn)
         .await
         .context("serving the session directory")?;
+    let port = BusPort::new(conn.clone(), shared).await;
     let state = State::new(
         Arc::clone(&params),
-        memory::arbiter(params.budget_bytes),
-        conn.clone(),
-        shared,
+        port,
         internal_tx,
         engine.tx.clone(),
         loaded_tx,
     );
-    let state_task = tokio::spawn(state.run(rx, internal_rx, events_rx, departures_rx));
+    let inbox = Inbox {
+        events: events_rx,
+        departures: departures_rx,
+        internal: internal_rx,
+        requests: rx,
+    };
+    let state_task = tokio::spawn(state.run(inbox));
     // Subscribe to NameOwnerChanged before anyone can reach us.
     let changes = zbus::fdo::DBusProxy::new(&conn)
         .await?

@@ -18,7 +18,6 @@ mod directory;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod loader;
-mod memory;
 mod models;
 mod request;
 mod scheduler;

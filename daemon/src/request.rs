@@ -6,8 +6,8 @@ use leanstream::contract::{LeanStreamError, MemoryReport, SessionStats};
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
+use crate::arbiter::SessionId;
 use crate::config::KeepAlive;
-use crate::memory::SessionId;
 use crate::models::ModelFile;
 use crate::scheduler::{GenSpec, Input};
 
@@ -37,7 +37,9 @@ pub enum Request {
         client: String,
         reply: Reply<OwnedObjectPath>,
     },
+    /// The memory report as `client` may see it.
     Memory {
+        client: String,
         reply: Reply<MemoryReport>,
     },
     Generate {
@@ -63,9 +65,7 @@ pub enum Request {
         reply: Reply<SessionStats>,
     },
     /// Cancel everything, stop the scheduler, then reply.
-    Shutdown {
-        reply: oneshot::Sender<()>,
-    },
+    Shutdown { reply: oneshot::Sender<()> },
 }
 
 /// Sends a request and awaits its reply (what every D-Bus method does).

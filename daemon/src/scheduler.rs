@@ -29,7 +29,7 @@
 //!    [`MAX_BATCH`](leanstream_engine::forward::MAX_BATCH) tokens through the batched pass; one
 //!    token at a time through a sparse pipeline on the GPU) or the forward pass of the token it
 //!    emitted last, with the tokens speculative decoding drafted after it (at most
-//!    [`run::max_draft`]; see [`passes`]). A long prompt therefore cannot stall the others: it
+//!    [`room::max_draft`]; see [`passes`]). A long prompt therefore cannot stall the others: it
 //!    goes in pieces, interleaved with their decode steps.
 //! 3. **One pass for many.** The steps of a round run together where they can: the CPU sessions
 //!    of one model share one pass, decode steps and prompt pieces alike, up to `MAX_BATCH`
@@ -60,36 +60,51 @@
 //! with an `Internal` error event; the pipeline drops the failed pass and serves the next one as
 //! usual.
 //!
-//! Token stream: each event is a [`StreamEvent`](leanstream::contract::StreamEvent) JSON line on the generation's pipe. The write
-//! end is non-blocking: a reader that does not keep up only pauses its own generation (the
-//! scheduler skips it until the pipe drains), never the others. A write error (EPIPE: the reader
-//! closed its end) cancels that generation quietly.
+//! Token stream: each event is a [`StreamEvent`](leanstream::contract::StreamEvent) JSON line on
+//! the generation's pipe. The write end is non-blocking: a reader that does not keep up only pauses
+//! its own generation (the scheduler skips it until the pipe drains), never the others. A write
+//! error (EPIPE: the reader closed its end) cancels that generation quietly.
+//!
+//! The parts, one file each:
+//!
+//! - this file: what the rest of the daemon sees (the commands, the reports, the budget it
+//!   reserves through), the start of the two threads, and the little the parts below share (an
+//!   open session's entry, the urgency mark's scale, refusals);
+//! - [`admit`]: the admission stage;
+//! - [`worker`]: the worker's sessions, its rounds, and how a generation starts and ends;
+//! - [`passes`]: the steps of a round grouped into forward passes, and running them;
+//! - [`run`]: one generation in flight and the events it writes;
+//! - [`room`]: a generation's reservations in the budget;
+//! - [`prefix`]: prompt prefixes shared between sessions;
+//! - [`pipe`]: the non-blocking write end of a stream.
 
 mod admit;
 mod passes;
 mod pipe;
 mod prefix;
+mod room;
 mod run;
 #[cfg(test)]
 mod tests;
+mod worker;
 
-use std::collections::BTreeMap;
 use std::io::PipeWriter;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicU32;
+use std::sync::mpsc::Sender;
+use std::time::Duration;
 
 use leanstream::contract::{LeanStreamError, Priority};
 use leanstream_engine::chat::ChatMessage;
 use leanstream_engine::constrain::GrammarKind;
-use leanstream_engine::generate::{Decode, Stepper, StopRules};
+use leanstream_engine::generate::{Decode, Stepper};
 use leanstream_engine::sample::SamplerConfig;
 
+use crate::arbiter::SessionId;
 pub use crate::loader::LoadedModel;
-use crate::memory::SessionId;
-use admit::{Admission, Admitted, Work, WorkQueue};
-use run::{Room, Run};
+use admit::{Admission, WorkQueue};
+use run::Run;
+use worker::Worker;
 
 /// What to generate from.
 #[derive(Debug)]
@@ -254,13 +269,7 @@ impl Scheduler {
         let (tx, rx) = std::sync::mpsc::channel();
         let (work, work_rx, waiting) = WorkQueue::new();
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(2);
-        let worker = Worker {
-            rx: work_rx,
-            waiting,
-            reports: reports.clone(),
-            budget: budget(),
-            sessions: BTreeMap::new(),
-        };
+        let worker = Worker::new(work_rx, waiting, reports.clone(), budget());
         let ready = ready_tx.clone();
         let worker = std::thread::Builder::new()
             .name("leanstream-sched".into())
@@ -293,6 +302,23 @@ impl Scheduler {
     }
 }
 
+/// One open session of the worker: its model, its engine session and what its KV cache holds.
+/// The worker's passes and the prefix store read and change it too.
+#[derive(Debug)]
+struct Entry {
+    model: Arc<LoadedModel>,
+    /// The uid of the session's owner.
+    user: u32,
+    session: Box<dyn Decode + Send>,
+    /// The tokens in the KV cache, in order.
+    seen: Vec<u32>,
+    /// The generation in flight, if any.
+    run: Option<Run>,
+    /// The position last reported to the state owner, shared with the admission stage, whose
+    /// refusals report it (nothing moves a session between its generations).
+    reported: Arc<AtomicU32>,
+}
+
 /// Answers a `Generate` that will not run: the state owner hears of it first (and clears the
 /// session's busy flag), then the caller, so that by the time the caller can try again the
 /// session is free. Both scheduler threads refuse through here.
@@ -311,330 +337,6 @@ fn refuse(
         passes: DecodePasses::default(),
     });
     let _ = reply.send(Err(error));
-}
-
-/// One open session: its model, its engine session and what its KV cache holds.
-#[derive(Debug)]
-struct Entry {
-    model: Arc<LoadedModel>,
-    /// The uid of the session's owner.
-    user: u32,
-    session: Box<dyn Decode + Send>,
-    /// The tokens in the KV cache, in order.
-    seen: Vec<u32>,
-    /// The generation in flight, if any.
-    run: Option<Run>,
-    /// The position last reported to the state owner, shared with the admission stage, whose
-    /// refusals report it (nothing moves a session between its generations).
-    reported: Arc<AtomicU32>,
-}
-
-/// The worker thread's state.
-struct Worker {
-    rx: Receiver<Work>,
-    /// The urgency mark of [`WorkQueue`].
-    waiting: Arc<AtomicU8>,
-    reports: tokio::sync::mpsc::UnboundedSender<Report>,
-    budget: Box<dyn SessionBudget>,
-    sessions: BTreeMap<SessionId, Entry>,
-}
-
-impl Worker {
-    fn run(mut self) {
-        loop {
-            // Take commands: wait for one if there is nothing to compute.
-            let first = if self.most_urgent().is_some() {
-                match self.rx.try_recv() {
-                    Ok(c) => Some(c),
-                    Err(TryRecvError::Empty) => None,
-                    Err(TryRecvError::Disconnected) => return self.shutdown(),
-                }
-            } else if self.sessions.values().any(|s| s.run.is_some()) {
-                // Only full pipes are left: look again shortly.
-                match self.rx.recv_timeout(Duration::from_millis(5)) {
-                    Ok(c) => Some(c),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => return self.shutdown(),
-                }
-            } else {
-                match self.rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return self.shutdown(),
-                }
-            };
-            // Every command waiting is taken before the round, so that requests which arrived
-            // together start in the same passes.
-            if let Some(cmd) = first
-                && (self.handle(cmd) || self.take_commands())
-            {
-                return self.shutdown();
-            }
-            if self.round() {
-                return self.shutdown();
-            }
-        }
-    }
-
-    /// The most urgent class with a generation that can take a step now (not ending, pipe not
-    /// full).
-    fn most_urgent(&self) -> Option<Priority> {
-        self.sessions
-            .values()
-            .filter_map(|s| s.run.as_ref())
-            .filter(|r| r.can_step())
-            .map(|r| r.priority)
-            .max()
-    }
-
-    /// Takes every waiting command; true when one asks to shut down (or the daemon is gone).
-    fn take_commands(&mut self) -> bool {
-        self.waiting.store(0, Ordering::Release);
-        loop {
-            match self.rx.try_recv() {
-                Ok(cmd) => {
-                    if self.handle(cmd) {
-                        return true;
-                    }
-                }
-                Err(TryRecvError::Empty) => return false,
-                Err(TryRecvError::Disconnected) => return true,
-            }
-        }
-    }
-
-    /// One round of the most urgent class (see the module docs). True when a command asked to
-    /// shut down.
-    fn round(&mut self) -> bool {
-        // Pipes that drained since the last round: their pending bytes go out first.
-        let ids: Vec<SessionId> = self.sessions.keys().copied().collect();
-        for &id in &ids {
-            self.settle(id);
-        }
-        let Some(class) = self.most_urgent() else {
-            return false;
-        };
-        let mut turn: Vec<(Option<Instant>, SessionId)> = self
-            .sessions
-            .iter()
-            .filter_map(|(id, s)| s.run.as_ref().map(|r| (id, r)))
-            .filter(|(_, r)| r.priority == class && r.can_step())
-            .map(|(id, r)| (r.next_deadline(), *id))
-            .collect();
-        // Earliest deadline first; those without one after, in session order.
-        turn.sort_by_key(|&(deadline, id)| (deadline.is_none(), deadline, id));
-        let steps = turn.iter().filter_map(|&(_, id)| self.wanted(id)).collect();
-        for pass in self.batches(steps) {
-            self.run_pass(&pass, class);
-            if self.take_commands() {
-                return true;
-            }
-            if self.most_urgent() > Some(class) {
-                return false; // pre-empted: the next round serves the newcomer
-            }
-        }
-        false
-    }
-
-    /// Handles what the admission stage handed on; returns true on shutdown.
-    fn handle(&mut self, work: Work) -> bool {
-        match work {
-            Work::Open {
-                id,
-                model,
-                session,
-                user,
-                reported,
-            } => {
-                let entry = Entry {
-                    model,
-                    user,
-                    session,
-                    seen: Vec::new(),
-                    run: None,
-                    reported,
-                };
-                self.sessions.insert(id, entry);
-            }
-            Work::Close { id } => {
-                if let Some(mut s) = self.sessions.remove(&id) {
-                    if let Some(mut r) = s.run.take() {
-                        // The stream ends with an event, not a bare EOF (which means the daemon
-                        // broke). One write, as much as the pipe takes: a reader that has let
-                        // its pipe fill up gets EOF.
-                        r.end_with_error("Cancelled", "the session was closed");
-                        let _ = r.flush();
-                        self.finished(id, 0, 0, DecodePasses::default());
-                    }
-                    drop(s);
-                    leanstream_engine::alloc::trim();
-                    let _ = self.reports.send(Report::Dropped { id });
-                }
-            }
-            Work::Cancel { id } => {
-                if let Some(r) = self.sessions.get_mut(&id).and_then(|s| s.run.as_mut()) {
-                    r.end_with_error("Cancelled", "the generation was cancelled");
-                }
-            }
-            Work::Generate { admitted, reply } => {
-                let id = admitted.id;
-                if let Err(e) = self.start(*admitted) {
-                    let position = self.position(id);
-                    self.note_position(id, position);
-                    refuse(&self.reports, id, position, reply, e);
-                } else {
-                    let _ = reply.send(Ok(()));
-                }
-            }
-            Work::Shutdown => return true,
-        }
-        false
-    }
-
-    fn position(&self, id: SessionId) -> u32 {
-        self.sessions
-            .get(&id)
-            .map_or(0, |s| s.session.position() as u32)
-    }
-
-    /// Shares `position` with the admission stage, before the state owner hears of it.
-    fn note_position(&self, id: SessionId, position: u32) {
-        if let Some(s) = self.sessions.get(&id) {
-            s.reported.store(position, Ordering::Release);
-        }
-    }
-
-    fn finished(&self, id: SessionId, generated: u64, position: u32, passes: DecodePasses) {
-        self.note_position(id, position);
-        let _ = self.reports.send(Report::Finished {
-            id,
-            accepted: true,
-            generated,
-            position,
-            passes,
-        });
-    }
-
-    /// Installs an admitted generation: reuses what the session's KV cache holds or adopts a
-    /// shared prefix, then reserves the KV the rest of the prompt will fill. Errors (the
-    /// reservation refused, above all) are for the caller; nothing has run then.
-    fn start(&mut self, admitted: Admitted) -> Result<(), LeanStreamError> {
-        let Admitted {
-            id,
-            ids,
-            constraint,
-            spec,
-            out,
-            received,
-        } = admitted;
-        let s = entry(&mut self.sessions, id)?;
-        if s.run.is_some() {
-            return Err(LeanStreamError::Busy(
-                "a generation is already running on this session".into(),
-            ));
-        }
-        // Reuse the KV cache when the new prompt extends what the session has seen; else start
-        // from a prefix other sessions of its user share, if there is one.
-        if !(s.seen.len() < ids.len() && ids.starts_with(&s.seen)) {
-            s.session.reset();
-            s.seen.clear();
-        }
-        if s.seen.is_empty() {
-            prefix::adopt(&mut self.sessions, self.budget.as_ref(), id, &ids);
-        }
-        let s = entry(&mut self.sessions, id)?;
-        let tok = &s.model.model.tokenizer;
-        let rules = StopRules {
-            max_tokens: spec.max_tokens,
-            eos: tok.specials().eos.clone(),
-            strings: spec.stop.clone(),
-        };
-        let (seen, prompt) = ids.split_at(s.seen.len());
-        let room = s.session.max_context() - seen.len();
-        let vocab = s.model.model.weights.config.vocab_size;
-        let mut stepper = Stepper::new(prompt, seen, room, spec.sampler.clone(), vocab, rules)
-            .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
-        let start = s.session.position();
-        let budget = self.budget.as_ref();
-        let reserve = Room {
-            id,
-            budget,
-            beside: 0,
-        };
-        let mut reserved = reserve.reserve_prompt(s.session.as_ref(), &stepper)?;
-        let vocab = s.session.vocab_size();
-        let rows;
-        (stepper, rows) = reserve.speculate(stepper, &s.model, vocab, spec.priority, &mut reserved);
-        s.run = Some(Run::new(
-            stepper,
-            constraint,
-            out,
-            &spec,
-            received,
-            ids.len(),
-            start,
-            reserved,
-            rows,
-        ));
-        Ok(())
-    }
-
-    /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
-    /// is gone), handing back what its reservation holds beyond the session's bytes (a prompt
-    /// cancelled before it filled what was reserved for it).
-    fn settle(&mut self, id: SessionId) {
-        let Some(s) = self.sessions.get_mut(&id) else {
-            return;
-        };
-        let Some(r) = &mut s.run else {
-            return;
-        };
-        if r.flush_is_over()
-            && let Some(r) = s.run.take()
-        {
-            r.rewind_to_end(s.session.as_mut(), &mut s.seen);
-            let held = s.session.bytes();
-            if r.reserved > held {
-                let _ = self.budget.resize(id, held); // a decrease
-            }
-            let position = s.session.position() as u32;
-            let passes = DecodePasses::of(&r.stepper);
-            self.finished(id, r.stepper.ids().len() as u64, position, passes);
-        }
-    }
-
-    fn shutdown(mut self) {
-        for s in self.sessions.values_mut() {
-            if let Some(r) = &mut s.run {
-                r.end_with_error("Cancelled", "the daemon is shutting down");
-            }
-        }
-        // Give readers a moment to drain full pipes, then drop everything (EOF).
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while Instant::now() < deadline {
-            let mut left = false;
-            for s in self.sessions.values_mut() {
-                if let Some(r) = &mut s.run {
-                    match r.flush() {
-                        Ok(true) => left = true,
-                        _ => s.run = None,
-                    }
-                }
-            }
-            if !left {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        tracing::info!("scheduler stopped");
-    }
-}
-
-/// Open session `id` of `sessions`, or the error a command for a session that is not open gets.
-fn entry(
-    sessions: &mut BTreeMap<SessionId, Entry>,
-    id: SessionId,
-) -> Result<&mut Entry, LeanStreamError> {
-    sessions.get_mut(&id).ok_or_else(|| not_open(id))
 }
 
 /// The error for a command about session `id`, which is not open.

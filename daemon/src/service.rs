@@ -15,11 +15,10 @@ use zbus::interface;
 use zbus::message::Header;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
-use crate::access;
+use crate::arbiter::SessionId;
 use crate::calls::{Calls, InFlight};
 use crate::catalog::Catalog;
 use crate::config::{KeepAlive, Params};
-use crate::memory::SessionId;
 use crate::models::{self, ModelFile};
 use crate::request::{Request, ask};
 use crate::scheduler::{GenSpec, Input};
@@ -236,14 +235,7 @@ impl Manager {
         context_tokens: u32,
     ) -> Result<OwnedObjectPath, LeanStreamError> {
         let (client, _call) = self.shared.enter(&header)?;
-        let params = &self.shared.params;
-        if context_tokens as usize > params.max_context {
-            return Err(LeanStreamError::InvalidArgument(format!(
-                "context of {context_tokens} tokens is over the limit of {}",
-                params.max_context
-            )));
-        }
-        let file = resolve(params, model).await?;
+        let file = resolve(&self.shared.params, model).await?;
         ask(&self.shared.tx, |reply| Request::OpenSession {
             file,
             context: context_tokens,
@@ -261,17 +253,10 @@ impl Manager {
     async fn memory(
         &self,
         #[zbus(header)] header: Header<'_>,
-        #[zbus(connection)] conn: &zbus::Connection,
     ) -> Result<(MemoryReport,), LeanStreamError> {
         let (client, _call) = self.shared.enter(&header)?;
-        let admin_group = self.shared.params.admin_group.as_deref();
-        let everyone = access::sees_everything(conn, &client, admin_group).await;
-        let report = ask(&self.shared.tx, |reply| Request::Memory { reply }).await?;
-        Ok((if everyone {
-            report
-        } else {
-            access::redact(report, &client)
-        },))
+        let report = ask(&self.shared.tx, |reply| Request::Memory { client, reply }).await?;
+        Ok((report,))
     }
 
     #[zbus(property)]
@@ -300,21 +285,11 @@ impl SessionObject {
     async fn start(
         &self,
         header: &Header<'_>,
-        conn: &zbus::Connection,
         input: Input,
         params: &GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
         let (client, _call) = self.shared.enter(header)?;
         let spec = validate_params(params, &self.shared.params)?;
-        let admin_group = self.shared.params.admin_group.as_deref();
-        // The realtime class can starve everyone else: only privileged callers may ask for it.
-        if spec.priority == Priority::Realtime
-            && !access::sees_everything(conn, &client, admin_group).await
-        {
-            return Err(LeanStreamError::AccessDenied(
-                "the realtime priority is for root, the daemon's user and the admin group".into(),
-            ));
-        }
         let id = self.id;
         ask(&self.shared.tx, |reply| Request::Generate {
             id,
@@ -333,12 +308,11 @@ impl SessionObject {
     async fn generate(
         &self,
         #[zbus(header)] header: Header<'_>,
-        #[zbus(connection)] conn: &zbus::Connection,
         prompt: &str,
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
         check_prompt(prompt.len(), &self.shared.params)?;
-        self.start(&header, conn, Input::Text(prompt.to_string()), &params)
+        self.start(&header, Input::Text(prompt.to_string()), &params)
             .await
     }
 
@@ -346,7 +320,6 @@ impl SessionObject {
     async fn generate_chat(
         &self,
         #[zbus(header)] header: Header<'_>,
-        #[zbus(connection)] conn: &zbus::Connection,
         messages: Vec<ChatTurn>,
         params: GenerateParams,
     ) -> Result<OwnedFd, LeanStreamError> {
@@ -372,8 +345,7 @@ impl SessionObject {
             .into_iter()
             .map(|m| ChatMessage::new(m.role, m.content))
             .collect();
-        self.start(&header, conn, Input::Chat(messages), &params)
-            .await
+        self.start(&header, Input::Chat(messages), &params).await
     }
 
     async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {

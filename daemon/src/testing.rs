@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use leanstream_engine::calibrate::{self, CalibrateOptions};
-use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
+use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::quant::DType;
 
 use crate::config::Params;

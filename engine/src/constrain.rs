@@ -28,6 +28,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 
+pub use crate::error::GrammarKind;
 use crate::tokenizer::{TokenBytes, Tokenizer};
 use crate::{Error, Result};
 
@@ -36,24 +37,6 @@ mod limits;
 pub use limits::{
     MAX_LARK_DEPTH, MAX_LARK_RULES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NESTING, MAX_SCHEMA_REFS,
 };
-
-/// What a [`Grammar`] was compiled from; names the input in [`Error::InvalidGrammar`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GrammarKind {
-    JsonSchema,
-    Lark,
-    Regex,
-}
-
-impl std::fmt::Display for GrammarKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            GrammarKind::JsonSchema => "JSON Schema",
-            GrammarKind::Lark => "Lark grammar",
-            GrammarKind::Regex => "regex",
-        })
-    }
-}
 
 /// The token trie llguidance walks: every id's bytes, control tokens under the 0xFF marker so
 /// that no text grammar can produce them.

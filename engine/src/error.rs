@@ -3,6 +3,26 @@
 
 use std::path::PathBuf;
 
+/// What a [`Grammar`](crate::constrain::Grammar) was compiled from; names the input in
+/// [`Error::InvalidGrammar`]. Defined here, beside the error that carries it, so that the error
+/// type depends on nothing else in the engine; [`crate::constrain`] re-exports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrammarKind {
+    JsonSchema,
+    Lark,
+    Regex,
+}
+
+impl std::fmt::Display for GrammarKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GrammarKind::JsonSchema => "JSON Schema",
+            GrammarKind::Lark => "Lark grammar",
+            GrammarKind::Regex => "regex",
+        })
+    }
+}
+
 /// Errors from the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -35,10 +55,7 @@ pub enum Error {
     /// A JSON Schema, Lark grammar or regex for constrained decoding that does not compile
     /// (malformed JSON, an unsupported keyword, a syntax error); `reason` is the compiler's.
     #[error("invalid {kind}: {reason}")]
-    InvalidGrammar {
-        kind: crate::constrain::GrammarKind,
-        reason: String,
-    },
+    InvalidGrammar { kind: GrammarKind, reason: String },
     /// Constrained decoding failed mid-generation: a token the grammar does not allow was
     /// advanced, no token can continue, or the parser hit one of its limits.
     #[error("constrained decoding: {0}")]

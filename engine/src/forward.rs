@@ -17,6 +17,10 @@
 //! before writing into it (counted by [`Session::kv_growth_bytes`], made by
 //! [`Session::grow_kv`]). The accounting rule is stated at the top of `kv/cache.rs`.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod decode;
+mod footprint;
 mod pass;
 mod planned;
 mod scratch;
@@ -30,6 +34,10 @@ use crate::kv::{KvCache, KvType};
 use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaModel, CudaSession};
+pub use decode::Decode;
+pub use footprint::{ModelBytes, load_bytes_estimate};
 use pass::{Pass, Row, Seat, never};
 use planned::HeadSpan;
 pub use planned::Planned;

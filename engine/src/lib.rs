@@ -13,6 +13,13 @@
 //!   neuron cache, activation predictors, and the five pipeline modes);
 //! - [`bench`]: the mode comparison behind `leanstream bench`;
 //! - [`process`]: what the OS knows about this process (resident memory, bytes read, a cold start).
+//!
+//! Imports point one way, from higher layers to lower ones: the model and the leaf utilities
+//! (`error`, `io`, `kv`, `cache`, `tokenizer`, `sample`, `constrain`, `reference`, ...) ←
+//! [`backend`] ← [`forward`], [`plan`], [`stream`], [`predict`] ← [`pipeline`] ← [`generate`] ←
+//! `bench`, [`calibrate`] and `testing`. A module needed below its layer moves down rather than
+//! being imported upwards; `scripts/check-imports` checks the order and that no modules import
+//! each other in a circle.
 
 pub mod alloc;
 pub mod backend;
@@ -28,7 +35,6 @@ pub mod io;
 pub mod kv;
 pub mod model;
 pub mod pipeline;
-
 pub mod plan;
 pub mod predict;
 pub mod process;
@@ -37,6 +43,10 @@ pub mod reference;
 pub mod sample;
 pub mod sparsity;
 pub mod stream;
+// Helpers for test suites (the real test models' paths, tiny `.lsm` files): built for this
+// crate's unit tests and, with feature `testing`, for the test suites of the crates that depend
+// on it; never part of a release build.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer;
 

@@ -28,9 +28,11 @@ use crate::model::TensorBytes;
 use crate::plan::{Plan, SLOTS, Unit};
 use crate::{Error, Result};
 
-/// Counters of a stream since it started.
+/// What a weight stream has read and waited for since it started. Named for the stream it
+/// counts: the client contract's `StreamStats` are a generation's statistics, and
+/// [`crate::io::ReadCounters`] the system calls of one read.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StreamStats {
+pub struct WeightStreamCounters {
     /// Bytes of units read into slots (page-aligned).
     pub bytes_read: u64,
     /// Bytes of embedding rows read (the pages holding each row).
@@ -80,7 +82,7 @@ struct Ring {
     next: usize,
     next_id: u64,
     completions: Vec<Completion>,
-    stats: StreamStats,
+    counters: WeightStreamCounters,
     /// The buffer embedding rows are read into.
     row: AlignedBuf,
 }
@@ -166,7 +168,7 @@ impl WeightStream {
                 next: 0,
                 next_id: 0,
                 completions: Vec::new(),
-                stats: StreamStats::default(),
+                counters: WeightStreamCounters::default(),
                 row,
             }),
             slot_bytes,
@@ -190,8 +192,8 @@ impl WeightStream {
     }
 
     /// Counters since the start.
-    pub fn stats(&self) -> StreamStats {
-        self.lock().stats
+    pub fn counters(&self) -> WeightStreamCounters {
+        self.lock().counters
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring> {
@@ -338,7 +340,7 @@ impl WeightStream {
         let t = Instant::now();
         if ring.queued.front().map(|q| q.unit) != Some(unit) {
             let wasted = self.discard(&mut ring);
-            ring.stats.wasted_units += wasted as u64;
+            ring.counters.wasted_units += wasted as u64;
             ring.next = unit;
             self.queue_ahead(&mut ring);
         }
@@ -359,13 +361,13 @@ impl WeightStream {
             let page = &mut buf.as_mut_slice()[t.slot_at..t.slot_at + PAGE];
             result = read_to_eof(&*self.file, page, t.offset, t.need).map_err(|e| self.io_error(e));
         }
-        ring.stats.wait_ns += t.elapsed().as_nanos() as u64;
+        ring.counters.wait_ns += t.elapsed().as_nanos() as u64;
         if let Err(e) = result {
             ring.free.push(q.slot);
             self.queue_ahead(&mut ring);
             return Err(e);
         }
-        ring.stats.bytes_read += self.units[unit].bytes();
+        ring.counters.bytes_read += self.units[unit].bytes();
         self.queue_ahead(&mut ring);
         Ok(Lease {
             slot: Some(q.slot),
@@ -383,7 +385,7 @@ impl WeightStream {
             .map_err(|e| self.io_error(e))?;
         let at = (range.start - start) as usize;
         f(&buf[at..at + (range.end - range.start) as usize]);
-        ring.stats.row_bytes_read += len as u64;
+        ring.counters.row_bytes_read += len as u64;
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use crate::model::gguf::writer::{TinyArch, TinyLlama};
+use crate::model::gguf::{TinyArch, TinyLlama};
 use crate::model::{load_imported, lsm};
 use crate::quant::DType;
 

@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use leanstream_engine::backend::cpu::Precision;
-use leanstream_engine::backend::cuda::{CudaBackend, CudaModel, CudaSession};
-use leanstream_engine::forward::Session;
+use leanstream_engine::backend::cuda::CudaBackend;
+use leanstream_engine::forward::{CudaModel, CudaSession, Session};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;

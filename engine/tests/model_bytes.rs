@@ -9,8 +9,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::sync::atomic::{AtomicI64, Ordering};
 
-use leanstream_engine::forward::Model;
-use leanstream_engine::model::load_bytes_estimate;
+use leanstream_engine::forward::{Model, load_bytes_estimate};
 use leanstream_engine::pipeline::SparseModel;
 
 /// Live heap bytes, through every allocation of the process: what malloc holds for each

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session, session_open_bytes};
 use leanstream_engine::kv::{KV_BLOCK_TOKENS, KvCache, KvType};
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::quant::DType;
 
 /// Counts the bytes of every allocation made by a thread while its `COUNTING` flag is set.

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use leanstream_engine::model::gguf::writer::{GgufWriter, TinyArch, TinyLlama};
-use leanstream_engine::model::gguf::{Array, Value};
+use leanstream_engine::model::gguf::writer::GgufWriter;
+use leanstream_engine::model::gguf::{Array, TinyArch, TinyLlama, Value};
 use leanstream_engine::quant::DType;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::model::{load_imported, lsm};
 use leanstream_engine::quant::DType;
 

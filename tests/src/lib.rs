@@ -535,9 +535,9 @@ pub fn rss_bytes_of(pid: u32) -> Result<u64> {
     Ok(kib * 1024)
 }
 
-/// The memory report once every unloaded model's memory has been handed back: the daemon
-/// keeps an `(unloading NAME #N)` placeholder in the ledger until the model is really dropped,
-/// a few milliseconds after the unload. Waits at most 10 s.
+/// The memory report once every unloaded model's memory has been handed back: the ledger
+/// keeps a model being dropped (mode `unloading`) until it is really gone, a few milliseconds
+/// after the unload. Waits at most 10 s.
 pub async fn settled_memory(client: &Client) -> Result<leanstream::contract::MemoryReport> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

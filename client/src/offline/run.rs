@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use leanstream_engine::backend::select::{BackendChoice, open_decoder};
+use leanstream_engine::backend::select::BackendChoice;
 use leanstream_engine::chat::{ChatMessage, ChatTemplate};
 use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 
@@ -14,7 +14,7 @@ use leanstream_engine::forward::Model;
 use leanstream_engine::generate::speculate::{DraftKind, MAX_DRAFT};
 use leanstream_engine::generate::{Decode, SpeculateMode, generate_constrained, speculation_for};
 use leanstream_engine::kv::KvType;
-use leanstream_engine::pipeline::{Executor, Policy, WithFfn};
+use leanstream_engine::pipeline::{Executor, Policy, WithFfn, open_decoder};
 use leanstream_engine::plan::PlacementPolicy;
 use leanstream_engine::sample::SamplerConfig;
 use leanstream_engine::tokenizer::TextStream;
@@ -207,7 +207,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // reads after that is decode's.
     let stream_bytes = || {
         model
-            .stream_stats()
+            .stream_counters()
             .map_or(0, |s| s.bytes_read + s.row_bytes_read)
     };
     let mut after_prefill = None;
@@ -320,7 +320,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "sparse": sparse_per_token,
                 "total": stream_per_token + sparse_per_token,
             },
-            "stream": model.stream_stats().map(|s| json!({
+            "stream": model.stream_counters().map(|s| json!({
                 "bytes_read": s.bytes_read,
                 "wait_s": s.wait_ns as f64 * 1e-9,
                 "wasted_units": s.wasted_units,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::quant::DType;
 use serde_json::Value;
 

@@ -28,9 +28,6 @@ pub enum ArbiterError {
         /// The whole budget.
         budget: u64,
     },
-    /// The daemon already holds its maximum number of sessions.
-    #[error("{limit} sessions are open, the most the daemon allows; close one first")]
-    TooManySessions { limit: usize },
     /// The model cannot be unloaded while sessions use it.
     #[error("model `{model}` has {sessions} open session(s); close them first")]
     ModelInUse { model: String, sessions: usize },
@@ -62,7 +59,7 @@ impl ArbiterError {
     pub fn wire_name(&self) -> &'static str {
         match self {
             ArbiterError::OverBudget { .. } => "OverBudget",
-            ArbiterError::TooManySessions { .. } | ArbiterError::ModelInUse { .. } => "Busy",
+            ArbiterError::ModelInUse { .. } => "Busy",
             ArbiterError::UnknownModel(_) => "ModelNotFound",
             ArbiterError::UnknownSession(_)
             | ArbiterError::ModelAlreadyLoaded(_)

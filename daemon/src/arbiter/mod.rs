@@ -21,8 +21,8 @@
 //! After every change the free bytes are redistributed from scratch (so the split depends only on
 //! the current state, never on history):
 //!
-//! 1. Each model's *tier* is the highest [`Priority`] among its open sessions; a model without
-//!    sessions is in the lowest tier, below [`Priority::Background`].
+//! 1. Each model's *tier* is the highest [`CacheClass`] among its open sessions; a model without
+//!    sessions is in the lowest tier, below [`CacheClass::Background`].
 //! 2. Tiers are served from the highest down: a tier's caches are filled up to their wanted size
 //!    before a lower tier gets a byte. An idle model's cache therefore yields first, and a
 //!    `Background` session's model yields to an `Interactive` one's.
@@ -36,7 +36,19 @@
 //! ([`Arbiter::cache_bytes`] or [`Arbiter::report`]) after each successful call and resizes the
 //! engine's caches; an engine may round a grant down (to whole chunks), never up. When opening a
 //! session the daemon shrinks the caches before it allocates the KV cache.
+//!
+//! # What it knows
+//!
+//! Bytes only: each model's reservation, each session's bytes and its model's cache class, and
+//! the models being dropped. Who owns a session, and whether it is generating, belong to the
+//! state owner and the scheduler; all three key a session by the same [`SessionId`].
+//!
+//! A model is dropped in two steps: [`Arbiter::drop_model`] turns what it holds (weights and
+//! the cache granted at that moment) into a hard reservation of its own, and
+//! [`Arbiter::dropped`] ends it once the process has really let the memory go. In between,
+//! the same model may load again and a cache may grow only into memory that is truly free.
 
+mod audit;
 mod error;
 #[cfg(test)]
 mod properties;
@@ -44,39 +56,28 @@ mod share;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
+use std::collections::BTreeMap;
 
 pub use error::{ArbiterError, Bytes};
 
-/// A session's number; the daemon serves it at `{SESSION_PATH_PREFIX}/{n}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SessionId(pub u64);
+/// A session's number, the same in the state owner, the scheduler and the ledger; the daemon
+/// serves the session at `{SESSION_PATH_PREFIX}/{n}`.
+pub type SessionId = u64;
 
-impl fmt::Display for SessionId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
+/// Names a model being dropped, from [`Arbiter::drop_model`] to [`Arbiter::dropped`].
+pub type DropTicket = u64;
 
-/// How much a session's model deserves the free memory. Ordered: `Background < Normal <
+/// How much a model's neuron cache deserves the free memory: the class of its most demanding
+/// open session (a model's `priority` in the configuration). Ordered: `Background < Normal <
 /// Interactive`. It only orders the neuron caches (see the module policy); it never evicts a
-/// session and never admits one that does not fit.
+/// session and never admits one that does not fit. A request's urgency in the scheduler is
+/// another thing, `leanstream::contract::Priority`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Priority {
+pub enum CacheClass {
     Background,
     #[default]
     Normal,
     Interactive,
-}
-
-/// The arbiter's limits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ArbiterConfig {
-    /// Bytes the daemon may use in all (`[memory] budget`).
-    pub budget_bytes: u64,
-    /// Sessions open at once, all clients together.
-    pub max_sessions: usize,
 }
 
 /// What one loaded model holds. `cache_bytes` is within `min_cache_bytes..=wanted_cache_bytes`.
@@ -98,29 +99,27 @@ pub struct ModelUsage {
 pub struct SessionUsage {
     pub id: SessionId,
     pub model: String,
-    /// Unique bus name of the owner, e.g. `:1.42`.
-    pub client: String,
     pub bytes: u64,
-    pub priority: Priority,
+    pub class: CacheClass,
 }
 
-/// What one client holds: the sum of its sessions. Clients without sessions are not listed.
+/// A model being dropped, and the bytes it still holds until it is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClientUsage {
-    pub client: String,
-    pub sessions: usize,
+pub struct DroppingUsage {
+    pub ticket: DropTicket,
+    pub name: String,
     pub bytes: u64,
 }
 
-/// The arbiter's figures for `Manager.Memory`, each list sorted by name or id.
-/// `used_bytes` is resident weights + caches + sessions, and `used_bytes <= budget_bytes`.
+/// The ledger's figures, each list sorted by name, ticket or id. `used_bytes` is resident
+/// weights + caches + sessions + models being dropped, and `used_bytes <= budget_bytes`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UsageReport {
     pub budget_bytes: u64,
     pub used_bytes: u64,
     pub models: Vec<ModelUsage>,
+    pub dropping: Vec<DroppingUsage>,
     pub sessions: Vec<SessionUsage>,
-    pub clients: Vec<ClientUsage>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,14 +141,13 @@ impl Model {
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Session {
     model: String,
-    client: String,
     bytes: u64,
-    priority: Priority,
+    class: CacheClass,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Client {
-    sessions: BTreeSet<SessionId>,
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Dropping {
+    name: String,
     bytes: u64,
 }
 
@@ -158,26 +156,28 @@ struct Client {
 /// Invariants, checked after every change in debug builds and by [`Arbiter::check_invariants`]:
 /// hard reservations and the used total stay within the budget; each cache stays between its
 /// minimum and wanted size; no byte stays free while a cache is below its wish; higher tiers are
-/// full before a lower tier's cache grows past its minimum; the per-client and per-model
-/// indexes match the sessions.
+/// full before a lower tier's cache grows past its minimum; each model counts its sessions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Arbiter {
-    config: ArbiterConfig,
+    budget_bytes: u64,
     models: BTreeMap<String, Model>,
     sessions: BTreeMap<SessionId, Session>,
-    clients: BTreeMap<String, Client>,
-    /// Sum of every model's `reserved()` and every session's bytes; `<= budget_bytes`.
+    dropping: BTreeMap<DropTicket, Dropping>,
+    next_ticket: DropTicket,
+    /// Sum of every model's `reserved()`, every session's bytes and every dropping model's
+    /// bytes; `<= budget_bytes`.
     reserved: u64,
 }
 
 impl Arbiter {
-    /// An arbiter with nothing loaded.
-    pub fn new(config: ArbiterConfig) -> Arbiter {
+    /// An arbiter of `budget_bytes` with nothing loaded.
+    pub fn new(budget_bytes: u64) -> Arbiter {
         Arbiter {
-            config,
+            budget_bytes,
             models: BTreeMap::new(),
             sessions: BTreeMap::new(),
-            clients: BTreeMap::new(),
+            dropping: BTreeMap::new(),
+            next_ticket: 1,
             reserved: 0,
         }
     }
@@ -261,9 +261,10 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Releases a model's weights and cache; the other caches grow into them. Refused with
-    /// `ModelInUse` while the model has sessions.
-    pub fn unload_model(&mut self, name: &str) -> Result<(), ArbiterError> {
+    /// Starts dropping a model: what it holds now (weights and the cache granted) stays
+    /// reserved under the returned ticket until [`Arbiter::dropped`], and the name is free to
+    /// load again at once. Refused with `ModelInUse` while the model has sessions.
+    pub fn drop_model(&mut self, name: &str) -> Result<DropTicket, ArbiterError> {
         let model = self
             .models
             .get(name)
@@ -274,27 +275,39 @@ impl Arbiter {
                 sessions: model.sessions,
             });
         }
-        let freed = model.reserved();
+        let bytes = model.resident_bytes + model.cache_bytes;
+        // The cache above its floor was elastic; it stays held until the model is gone.
+        self.reserved += model.cache_bytes - model.min_cache_bytes;
         self.models.remove(name);
-        self.reserved -= freed;
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let name = name.to_owned();
+        self.dropping.insert(ticket, Dropping { name, bytes });
         self.settle();
-        Ok(())
+        Ok(ticket)
+    }
+
+    /// The model dropped under `ticket` has let its memory go; the caches grow into it. A
+    /// ticket ends once: an unknown one changes nothing.
+    pub fn dropped(&mut self, ticket: DropTicket) {
+        if let Some(d) = self.dropping.remove(&ticket) {
+            self.reserved -= d.bytes;
+            self.settle();
+        }
     }
 
     /// Reserves `bytes` (the KV cache for the session's context plus its working buffers) for a
-    /// new session of `client` on `model`, shrinking neuron caches toward their minimum as
-    /// needed, and re-splits the caches by the new priorities.
+    /// new session on `model`, shrinking neuron caches toward their minimum as needed, and
+    /// re-splits the caches by the new classes.
     ///
-    /// Refused, changing nothing, when the id is taken, the model is not loaded, the session
-    /// limit is reached (`TooManySessions`), or the bytes do not fit even with every cache at its
-    /// minimum (`OverBudget`).
+    /// Refused, changing nothing, when the id is taken, the model is not loaded, or the bytes do
+    /// not fit even with every cache at its minimum (`OverBudget`).
     pub fn open_session(
         &mut self,
         id: SessionId,
         model: &str,
-        client: &str,
         bytes: u64,
-        priority: Priority,
+        class: CacheClass,
     ) -> Result<(), ArbiterError> {
         if self.sessions.contains_key(&id) {
             return Err(ArbiterError::SessionAlreadyOpen(id));
@@ -302,27 +315,17 @@ impl Arbiter {
         if !self.models.contains_key(model) {
             return Err(ArbiterError::UnknownModel(model.to_owned()));
         }
-        if self.sessions.len() >= self.config.max_sessions {
-            return Err(ArbiterError::TooManySessions {
-                limit: self.config.max_sessions,
-            });
-        }
-        self.admit(bytes, || {
-            format!("session {id} on model `{model}` for client `{client}`")
-        })?;
+        self.admit(bytes, || format!("session {id} on model `{model}`"))?;
         if let Some(m) = self.models.get_mut(model) {
             m.sessions += 1;
         }
-        let entry = self.clients.entry(client.to_owned()).or_default();
-        entry.sessions.insert(id);
-        entry.bytes += bytes;
+        let model = model.to_owned();
         self.sessions.insert(
             id,
             Session {
-                model: model.to_owned(),
-                client: client.to_owned(),
+                model,
                 bytes,
-                priority,
+                class,
             },
         );
         self.reserved += bytes;
@@ -350,12 +353,8 @@ impl Arbiter {
                 )
             })?;
         }
-        let client = session.client.clone();
         if let Some(s) = self.sessions.get_mut(&id) {
             s.bytes = bytes;
-        }
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.bytes = c.bytes - old + bytes;
         }
         self.reserved = self.reserved - old + bytes;
         self.settle();
@@ -364,32 +363,20 @@ impl Arbiter {
 
     /// Releases a session's bytes; the caches grow into them.
     pub fn close_session(&mut self, id: SessionId) -> Result<(), ArbiterError> {
-        self.remove_session(id)?;
+        let session = self
+            .sessions
+            .remove(&id)
+            .ok_or(ArbiterError::UnknownSession(id))?;
+        if let Some(m) = self.models.get_mut(&session.model) {
+            m.sessions -= 1;
+        }
+        self.reserved -= session.bytes;
         self.settle();
         Ok(())
     }
 
-    /// Closes every session of `client` at once (the client left the bus) and returns their ids,
-    /// in order. A client without sessions changes nothing and gets an empty list.
-    pub fn client_gone(&mut self, client: &str) -> Vec<SessionId> {
-        let ids: Vec<SessionId> = self
-            .clients
-            .get(client)
-            .map(|c| c.sessions.iter().copied().collect())
-            .unwrap_or_default();
-        if ids.is_empty() {
-            return ids;
-        }
-        for &id in &ids {
-            if let Err(e) = self.remove_session(id) {
-                panic!("arbiter client index lists session {id} that is not open: {e}");
-            }
-        }
-        self.settle();
-        ids
-    }
-
-    /// Resident weights + neuron caches + sessions. Never above the budget.
+    /// Resident weights + neuron caches + sessions + models being dropped. Never above the
+    /// budget.
     pub fn used_bytes(&self) -> u64 {
         self.reserved
             + self
@@ -400,160 +387,20 @@ impl Arbiter {
     }
 
     #[cfg(test)]
-    /// Hard reservations: resident weights, minimum caches and sessions — what stays used if every
-    /// cache shrinks to its minimum.
+    /// Hard reservations: resident weights, minimum caches, sessions and models being dropped —
+    /// what stays used if every cache shrinks to its minimum.
     pub fn reserved_bytes(&self) -> u64 {
         self.reserved
     }
 
     /// The budget less the hard reservations: the most a new request can get.
     pub fn available_bytes(&self) -> u64 {
-        self.config.budget_bytes.saturating_sub(self.reserved)
+        self.budget_bytes.saturating_sub(self.reserved)
     }
 
     /// The neuron cache granted to a loaded model.
     pub fn cache_bytes(&self, model: &str) -> Option<u64> {
         self.models.get(model).map(|m| m.cache_bytes)
-    }
-
-    pub fn is_loaded(&self, model: &str) -> bool {
-        self.models.contains_key(model)
-    }
-
-    #[cfg(test)]
-    pub fn session_count(&self) -> usize {
-        self.sessions.len()
-    }
-
-    #[cfg(test)]
-    pub fn session(&self, id: SessionId) -> Option<SessionUsage> {
-        self.sessions.get(&id).map(|s| session_usage(id, s))
-    }
-
-    /// Every figure for `Manager.Memory`.
-    pub fn report(&self) -> UsageReport {
-        UsageReport {
-            budget_bytes: self.config.budget_bytes,
-            used_bytes: self.used_bytes(),
-            models: self
-                .models
-                .iter()
-                .map(|(name, m)| ModelUsage {
-                    name: name.clone(),
-                    resident_bytes: m.resident_bytes,
-                    cache_bytes: m.cache_bytes,
-                    min_cache_bytes: m.min_cache_bytes,
-                    wanted_cache_bytes: m.wanted_cache_bytes,
-                    sessions: m.sessions,
-                })
-                .collect(),
-            sessions: self
-                .sessions
-                .iter()
-                .map(|(&id, s)| session_usage(id, s))
-                .collect(),
-            clients: self
-                .clients
-                .iter()
-                .map(|(client, c)| ClientUsage {
-                    client: client.clone(),
-                    sessions: c.sessions.len(),
-                    bytes: c.bytes,
-                })
-                .collect(),
-        }
-    }
-
-    /// Checks every invariant from scratch; `Err` says which one broke.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let budget = u128::from(self.config.budget_bytes);
-        let reserved: u128 = self
-            .models
-            .values()
-            .map(|m| u128::from(m.reserved()))
-            .chain(self.sessions.values().map(|s| u128::from(s.bytes)))
-            .sum();
-        if reserved != u128::from(self.reserved) {
-            return Err(format!(
-                "reserved total {} != recomputed {reserved}",
-                self.reserved
-            ));
-        }
-        let used: u128 = reserved
-            + self
-                .models
-                .values()
-                .map(|m| u128::from(m.cache_bytes.saturating_sub(m.min_cache_bytes)))
-                .sum::<u128>();
-        if used > budget {
-            return Err(format!("used {used} > budget {budget}"));
-        }
-        if self.sessions.len() > self.config.max_sessions {
-            return Err(format!(
-                "{} sessions > limit {}",
-                self.sessions.len(),
-                self.config.max_sessions
-            ));
-        }
-        for (name, m) in &self.models {
-            if m.cache_bytes < m.min_cache_bytes || m.cache_bytes > m.wanted_cache_bytes {
-                return Err(format!(
-                    "model `{name}` cache {} outside {}..={}",
-                    m.cache_bytes, m.min_cache_bytes, m.wanted_cache_bytes
-                ));
-            }
-            let count = self.sessions.values().filter(|s| &s.model == name).count();
-            if count != m.sessions {
-                return Err(format!(
-                    "model `{name}` counts {} sessions, {count} open",
-                    m.sessions
-                ));
-            }
-        }
-        let mut clients: BTreeMap<&str, Client> = BTreeMap::new();
-        for (&id, s) in &self.sessions {
-            if !self.models.contains_key(&s.model) {
-                return Err(format!("session {id} on unloaded model `{}`", s.model));
-            }
-            let c = clients.entry(s.client.as_str()).or_default();
-            c.sessions.insert(id);
-            c.bytes += s.bytes;
-        }
-        let indexed: BTreeMap<&str, Client> = self
-            .clients
-            .iter()
-            .map(|(k, c)| (k.as_str(), c.clone()))
-            .collect();
-        if indexed != clients {
-            return Err(format!("client index {indexed:?} != sessions {clients:?}"));
-        }
-        let unmet = self
-            .models
-            .values()
-            .any(|m| m.cache_bytes < m.wanted_cache_bytes);
-        if unmet && used < budget {
-            return Err(format!(
-                "{} bytes free while a cache is below its wish",
-                budget - used
-            ));
-        }
-        let tiers = self.tiers();
-        for (name, m) in &self.models {
-            if m.cache_bytes == m.min_cache_bytes {
-                continue;
-            }
-            let tier = tiers.get(name.as_str()).copied().flatten();
-            for (other, o) in &self.models {
-                let other_tier = tiers.get(other.as_str()).copied().flatten();
-                if other_tier > tier && o.cache_bytes < o.wanted_cache_bytes {
-                    return Err(format!(
-                        "model `{name}` ({tier:?}) holds cache above its minimum while `{other}` \
-                         ({other_tier:?}) is below its wish"
-                    ));
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Refuses `needed` more hard-reserved bytes unless they fit beside the others.
@@ -564,42 +411,22 @@ impl Arbiter {
                 what: what(),
                 needed,
                 available,
-                budget: self.config.budget_bytes,
+                budget: self.budget_bytes,
             });
         }
         Ok(())
     }
 
-    /// Removes a session from every index without re-splitting the caches.
-    fn remove_session(&mut self, id: SessionId) -> Result<(), ArbiterError> {
-        let session = self
-            .sessions
-            .remove(&id)
-            .ok_or(ArbiterError::UnknownSession(id))?;
-        if let Some(m) = self.models.get_mut(&session.model) {
-            m.sessions -= 1;
-        }
-        if let Some(c) = self.clients.get_mut(&session.client) {
-            c.sessions.remove(&id);
-            c.bytes -= session.bytes;
-            if c.sessions.is_empty() {
-                self.clients.remove(&session.client);
-            }
-        }
-        self.reserved -= session.bytes;
-        Ok(())
-    }
-
-    /// Each model's tier: the highest priority among its sessions, `None` without sessions.
-    fn tiers(&self) -> BTreeMap<&str, Option<Priority>> {
-        let mut tiers: BTreeMap<&str, Option<Priority>> = self
+    /// Each model's tier: the highest class among its sessions, `None` without sessions.
+    fn tiers(&self) -> BTreeMap<&str, Option<CacheClass>> {
+        let mut tiers: BTreeMap<&str, Option<CacheClass>> = self
             .models
             .keys()
             .map(|name| (name.as_str(), None))
             .collect();
         for s in self.sessions.values() {
             let tier = tiers.entry(s.model.as_str()).or_default();
-            *tier = (*tier).max(Some(s.priority));
+            *tier = (*tier).max(Some(s.class));
         }
         tiers
     }
@@ -607,7 +434,7 @@ impl Arbiter {
     /// Re-splits the free bytes among the caches (module policy), then checks the invariants in
     /// debug builds.
     fn settle(&mut self) {
-        let mut by_tier: BTreeMap<Option<Priority>, Vec<String>> = BTreeMap::new();
+        let mut by_tier: BTreeMap<Option<CacheClass>, Vec<String>> = BTreeMap::new();
         for (name, tier) in self.tiers() {
             by_tier.entry(tier).or_default().push(name.to_owned());
         }
@@ -634,15 +461,5 @@ impl Arbiter {
         {
             panic!("memory arbiter invariant broken: {broken}");
         }
-    }
-}
-
-fn session_usage(id: SessionId, s: &Session) -> SessionUsage {
-    SessionUsage {
-        id,
-        model: s.model.clone(),
-        client: s.client.clone(),
-        bytes: s.bytes,
-        priority: s.priority,
     }
 }

@@ -16,15 +16,15 @@ pub(super) fn parse_mode(key: &str, value: Option<&str>) -> Result<Option<Mode>,
         .transpose()
 }
 
-pub(super) fn parse_priority(
+pub(super) fn parse_cache_class(
     key: &str,
     value: Option<&str>,
-) -> Result<Option<Priority>, ConfigError> {
+) -> Result<Option<CacheClass>, ConfigError> {
     value
         .map(|p| match p {
-            "background" => Ok(Priority::Background),
-            "normal" => Ok(Priority::Normal),
-            "interactive" => Ok(Priority::Interactive),
+            "background" => Ok(CacheClass::Background),
+            "normal" => Ok(CacheClass::Normal),
+            "interactive" => Ok(CacheClass::Interactive),
             other => Err(bad(
                 key,
                 format!("`{other}` is not one of background, normal, interactive"),
@@ -101,7 +101,7 @@ pub(super) fn model_params(
     let mode = parse_mode(&key("mode"), m.mode.as_deref())?;
     let sparsity = check_sparsity(&key("sparsity"), m.sparsity)?;
     let cache_share = check_cache_share(&key("cache_share"), m.cache_share)?;
-    let priority = parse_priority(&key("priority"), m.priority.as_deref())?;
+    let cache_class = parse_cache_class(&key("priority"), m.priority.as_deref())?;
     let kv_type = parse_kv_type(&key("kv_type"), m.kv_type.as_deref())?;
     let keep_alive = parse_keep_alive(&key("keep_alive"), m.keep_alive)?;
     let speculate = parse_speculate(&key("speculate"), m.speculate.as_deref())?;
@@ -163,7 +163,7 @@ pub(super) fn model_params(
         },
         sparsity: sparsity.or(engine.sparsity),
         cache_share: cache_share.unwrap_or(engine.cache_share),
-        priority: priority.unwrap_or(engine.priority),
+        cache_class: cache_class.unwrap_or(engine.cache_class),
         kv_type: kv_type.unwrap_or(engine.kv_type),
         max_bytes: m.max_bytes.map(|b| b.0),
         placement: placement.unwrap_or(engine.placement),

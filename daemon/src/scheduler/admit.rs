@@ -35,7 +35,7 @@ use leanstream_engine::generate::Decode;
 
 use super::{Command, GenSpec, Gone, Input, LoadedModel, Report, SessionBudget, pipe};
 use super::{not_open, refuse, urgency};
-use crate::memory::SessionId;
+use crate::arbiter::SessionId;
 
 /// A `Generate` that passed admission: what the worker needs to install it.
 #[derive(Debug)]

@@ -19,9 +19,11 @@ use leanstream_engine::forward::{FfnExecutor, MAX_BATCH, Session, forward_each_r
 use leanstream_engine::generate::{Decode, Next};
 use leanstream_engine::pipeline::Executor;
 
-use super::run::{Failure, Room, Run};
-use super::{Entry, LoadedModel, Worker, urgency};
-use crate::memory::SessionId;
+use super::room::Room;
+use super::run::{Failure, Run};
+use super::worker::Worker;
+use super::{Entry, LoadedModel, urgency};
+use crate::arbiter::SessionId;
 
 /// What sessions must share to run in one pass: the same loaded model (by address: its weights
 /// and, in a sparse mode, its pipeline) and the same CPU precision.

@@ -32,10 +32,10 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::Session;
 use leanstream_engine::kv::KvType;
 
-use super::run::need;
+use super::room::need;
 use super::{Entry, SessionBudget};
+use crate::arbiter::SessionId;
 use crate::loader::{LoadedModel, SharedPrefix};
-use crate::memory::SessionId;
 
 /// Fewest tokens worth sharing: one KV block. Shorter prefixes (a chat template's header) cost
 /// less to compute than a slot in the store.

@@ -7,12 +7,11 @@ use std::time::Instant;
 
 use leanstream::contract::{LeanStreamError, Priority, StreamEvent, StreamStats};
 use leanstream_engine::constrain::Constraint;
-use leanstream_engine::generate::speculate::MAX_DRAFT;
 use leanstream_engine::generate::{Decode, Next, SpeculationStats, Stepper, StopReason};
 use leanstream_engine::tokenizer::Tokenizer;
 
-use super::{GenSpec, LoadedModel, SessionBudget, pipe};
-use crate::memory::SessionId;
+use super::{GenSpec, pipe};
+use crate::arbiter::SessionId;
 
 /// A generation in flight (see the module docs).
 #[derive(Debug)]
@@ -37,9 +36,10 @@ pub struct Run {
     pub shared_prompt_passes: usize,
     /// The session's reservation while this generation runs, in bytes: at its start, what the
     /// session holds plus the KV the rest of its prompt and first generated token will fill
-    /// ([`Room::reserve_prompt`]). The prompt's pieces are allocated within it; it grows only
-    /// when a step needs more ([`Room::grow`]), and shrinks only when blocks it paid for become
-    /// a shared prefix (see the prefix module).
+    /// ([`Room::reserve_prompt`](super::room::Room::reserve_prompt)). The prompt's pieces are
+    /// allocated within it; it grows only when a step needs more
+    /// ([`Room::grow`](super::room::Room::grow)), and shrinks only when blocks it paid for become a
+    /// shared prefix (see the prefix module).
     pub reserved: u64,
     /// The session's position when the generation started (what its KV cache held of earlier
     /// turns and shared prefixes): with [`Stepper::kv_tokens`], where it ends.
@@ -303,104 +303,6 @@ impl Run {
     }
 }
 
-/// A session's way to the budget.
-pub struct Room<'a> {
-    pub id: SessionId,
-    pub budget: &'a dyn SessionBudget,
-    /// Bytes the run holds beside the session's own, in its reservation: the verification
-    /// rows buffer ([`Run::rows_bytes`]). Every reservation made here counts them, so that
-    /// raising it for the KV cache never drops them.
-    pub beside: u64,
-}
-
-impl Room<'_> {
-    /// Reserves at once what `session` will hold once the rest of `stepper`'s prompt and the
-    /// first generated token are in its KV cache ([`need`]), and returns it (the run's
-    /// [`Run::reserved`]). `OverBudget` when that does not fit: the generation is then refused
-    /// before it runs. Prompts that arrive together thus each get all the KV they will fill, or
-    /// are refused one by one, instead of each growing block by block until all run out half-way.
-    pub fn reserve_prompt(
-        &self,
-        session: &dyn Decode,
-        stepper: &Stepper,
-    ) -> Result<u64, LeanStreamError> {
-        let bytes = need(session, stepper) + self.beside;
-        if bytes > session.bytes() {
-            self.budget.resize(self.id, bytes)?;
-        }
-        Ok(bytes)
-    }
-
-    /// Turns speculative decoding on for `stepper`, a generation of `class` on `model` (whose
-    /// logits are `vocab` wide), when the model speculates and the buffer of its verification
-    /// rows fits the budget beside `reserved`, the run's reservation, which then holds it too.
-    /// Returns the stepper and the buffer, its capacity allocated once for the longest pass
-    /// (empty without speculation). A budget that holds the prompt but not the rows runs the
-    /// generation without speculation: the same tokens, one pass each.
-    pub fn speculate(
-        &self,
-        stepper: Stepper,
-        model: &LoadedModel,
-        vocab: usize,
-        class: Priority,
-        reserved: &mut u64,
-    ) -> (Stepper, Vec<f32>) {
-        let drafts = max_draft(class);
-        let Some(speculation) = model.speculation(drafts) else {
-            return (stepper, Vec::new());
-        };
-        let len = (drafts + 1) * vocab;
-        let bytes = (len * std::mem::size_of::<f32>()) as u64;
-        match self.budget.resize(self.id, *reserved + bytes) {
-            Ok(()) => {
-                *reserved += bytes;
-                (stepper.speculate(speculation), Vec::with_capacity(len))
-            }
-            Err(e) => {
-                tracing::debug!("session {}: runs without speculation: {e}", self.id);
-                (stepper, Vec::new())
-            }
-        }
-    }
-
-    /// Makes room in the KV cache for `tokens` more tokens: reserves the blocks they need
-    /// first (unless `reserved`, the run's reservation, holds them already: a prompt's pieces),
-    /// then allocates them. Nothing is allocated when the reservation is refused. The
-    /// reservation is absolute, so it is only ever raised here, never set below `reserved`.
-    pub fn grow(
-        &self,
-        session: &mut dyn Decode,
-        tokens: usize,
-        reserved: &mut u64,
-    ) -> Result<(), Failure> {
-        let extra = session.kv_growth_bytes(tokens);
-        if extra == 0 {
-            return Ok(());
-        }
-        let bytes = session.bytes() + extra + self.beside;
-        if bytes > *reserved {
-            self.budget
-                .resize(self.id, bytes)
-                .map_err(Failure::Budget)?;
-            *reserved = bytes;
-        }
-        Ok(session.grow_kv(tokens)?)
-    }
-}
-
-/// Most tokens a generation of the realtime class drafts a pass: a verification pass of more
-/// rows takes longer, and that class is served for its latency, not its throughput.
-pub const REALTIME_MAX_DRAFT: usize = 2;
-
-/// Most tokens a generation of `class` drafts after each emitted token: the engine's
-/// [`MAX_DRAFT`], or [`REALTIME_MAX_DRAFT`] for the realtime class.
-pub fn max_draft(class: Priority) -> usize {
-    match class {
-        Priority::Realtime => REALTIME_MAX_DRAFT,
-        Priority::Interactive | Priority::Background => MAX_DRAFT,
-    }
-}
-
 /// Accepted ÷ drafted tokens over every kind of draft; 0 when none was drafted.
 fn acceptance(s: &SpeculationStats) -> f64 {
     let drafted: usize = s.drafted.iter().sum();
@@ -410,15 +312,4 @@ fn acceptance(s: &SpeculationStats) -> f64 {
     } else {
         accepted as f64 / drafted as f64
     }
-}
-
-/// The bytes `session` holds once what `stepper` still has to write up to its first generated
-/// token is in its KV cache: the rest of the prompt and that token while it prefills, nothing
-/// more after that (decode steps reserve block by block: [`Room::grow`]).
-pub fn need(session: &dyn Decode, stepper: &Stepper) -> u64 {
-    let ahead = match stepper.next() {
-        Next::Prefill(rest) => rest.len() + 1,
-        Next::Forward(_) | Next::Draft(..) | Next::Emit(_) | Next::Done(_) => 0,
-    };
-    session.bytes() + session.kv_growth_bytes(ahead)
 }

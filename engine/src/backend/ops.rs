@@ -77,7 +77,7 @@ impl AttentionShape {
     }
 }
 
-/// A layer's sparse FFN over some of its chunks: what `pipeline::kernel::ChunkMath` computes.
+/// A layer's sparse FFN over some of its chunks: what [`super::chunks::ChunkMath`] computes.
 #[derive(Clone, Copy, Debug)]
 pub struct FfnChunks<'a> {
     pub layout: &'a ChunkLayout,
@@ -295,7 +295,7 @@ impl KernelOps for CpuOps {
     fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput> {
         check_ffn(f)?;
         let l = f.layout;
-        let math = crate::pipeline::kernel::ChunkMath {
+        let math = crate::backend::chunks::ChunkMath {
             layout: l,
             kernels: Kernels::best(),
             activation: f.activation,

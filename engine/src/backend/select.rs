@@ -4,19 +4,15 @@
 //! `auto` takes CUDA when this build has the `cuda` feature and a device answers, and the CPU
 //! otherwise; either way [`BackendChoice::resolve`] says why, for the log. `cuda` is an error
 //! where CUDA is not usable, naming the reason, rather than a silent fall back to the CPU.
+//!
+//! What runs on the chosen backend is opened by the layers that own it:
+//! `pipeline::open_decoder` opens a decoding session with its pipeline.
 
 use std::fmt;
 use std::str::FromStr;
 
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
 
-use crate::backend::cpu::Precision;
-use crate::forward::{Model, Session};
-use crate::generate::Decode;
-use crate::kv::KvType;
-use crate::pipeline::Executor;
 use crate::{Error, Result};
 
 /// What the configuration asks for.
@@ -113,47 +109,6 @@ impl BackendChoice {
         let (backend, why) = self.resolve_with(cuda_available)?;
         tracing::info!(backend = backend.name(), "compute backend: {why}");
         Ok(backend)
-    }
-}
-
-/// A decoding session for `model` on `backend` with room for `context` tokens. On the GPU, a
-/// sparse pipeline `exec` (if any) moves its chunk computations there too and the model's FFN
-/// stays off the device (the pipeline streams it); without one the whole FFN is uploaded.
-/// The CPU stores keys and values as `kv`; the GPU keeps an f32 KV cache whatever `kv` says.
-pub fn open_decoder(
-    backend: Backend,
-    model: &Arc<Model>,
-    context: usize,
-    precision: Precision,
-    kv: KvType,
-    exec: Option<&mut Executor>,
-) -> Result<Box<dyn Decode>> {
-    match backend {
-        Backend::Cpu => Ok(Box::new(Session::new(
-            Arc::clone(model),
-            context,
-            precision,
-            kv,
-        )?)),
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            use super::cuda::{CudaBackend, CudaModel, CudaSession};
-            let _ = kv;
-            let gpu = Arc::new(CudaBackend::new()?);
-            let dense = exec.is_none();
-            if let Some(e) = exec {
-                e.use_cuda(Arc::clone(&gpu))?;
-            }
-            let m = Arc::new(CudaModel::new(gpu, Arc::clone(model), dense)?);
-            Ok(Box::new(CudaSession::new(m, context)?))
-        }
-        #[cfg(not(feature = "cuda"))]
-        Backend::Cuda => {
-            let _ = (exec, kv);
-            Err(Error::Cuda(
-                "this build has no CUDA backend (built without feature `cuda`)".into(),
-            ))
-        }
     }
 }
 

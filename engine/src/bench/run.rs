@@ -5,11 +5,12 @@ use std::time::Instant;
 
 use super::disk::{self, DiskBandwidth, ProbeOptions};
 use super::{BenchConfig, BenchRow};
-use crate::backend::select::{Backend, open_decoder};
-use crate::forward::{FfnExecutor, Model};
-use crate::generate::Decode;
+use crate::backend::select::Backend;
+use crate::forward::{Decode, FfnExecutor, Model};
 use crate::model::lsm::LsmFile;
-use crate::pipeline::{Executor, ExecutorOptions, Mode, PipelineStats, Policy, SparseModel};
+use crate::pipeline::{
+    Executor, ExecutorOptions, Mode, PipelineStats, Policy, SparseModel, open_decoder,
+};
 use crate::process;
 use crate::sample::argmax;
 use crate::{Error, Result};

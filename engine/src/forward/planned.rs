@@ -10,13 +10,13 @@ use std::sync::Arc;
 
 use super::Model;
 use crate::io::DirectFile;
-use crate::kv::KvType;
+use crate::kv::{KvCache, KvType};
 use crate::model::QRows;
 use crate::plan::{
-    Floor, Part, Piece, Placement, PlacementPolicy, Plan, PlanOptions, UnitKind, piece_matrices,
-    pieces,
+    Floor, Part, Piece, Placement, PlacementPolicy, Plan, PlanOptions, RUNTIME_BYTES, UnitKind,
+    piece_matrices, pieces,
 };
-use crate::stream::{Lease, StreamStats, WeightStream};
+use crate::stream::{Lease, WeightStream, WeightStreamCounters};
 use crate::{Error, Result};
 
 /// The streamed side of a planned model.
@@ -138,6 +138,35 @@ pub(crate) struct HeadPiece<'a> {
     pub rows: std::ops::Range<usize>,
     pub m: QRows,
     _lease: Option<Lease<'a>>,
+}
+
+/// The floors of a loaded model. They live beside [`Model`] rather than in [`crate::plan`],
+/// which plans from the weights alone and knows nothing of models or sessions.
+impl Floor {
+    /// The floor of serving `model` with one session of `context` tokens in `kv`, without the
+    /// ring.
+    pub fn of(model: &Model, context: usize, kv: KvType) -> Floor {
+        let w = &model.weights;
+        let c = &w.config;
+        Floor {
+            runtime: RUNTIME_BYTES,
+            tokenizer: model.tokenizer.heap_bytes(),
+            tables: w.bytes().heap,
+            session: super::session_open_bytes(model, context, kv)
+                + KvCache::full_bytes(kv, c.n_layers, c.kv_dim(), context),
+            ..Floor::default()
+        }
+    }
+
+    /// The floor of the model alone (tokenizer, tables; the ring is added by the plan): for a
+    /// caller that accounts the runtime and the sessions itself (the daemon).
+    pub fn model_only(model: &Model) -> Floor {
+        Floor {
+            tokenizer: model.tokenizer.heap_bytes(),
+            tables: model.weights.bytes().heap,
+            ..Floor::default()
+        }
+    }
 }
 
 impl Model {
@@ -268,8 +297,8 @@ impl Model {
     }
 
     /// The weight stream's counters (`None` unless loaded with a plan).
-    pub fn stream_stats(&self) -> Option<StreamStats> {
-        self.planned.as_ref().map(|p| p.stream.stats())
+    pub fn stream_counters(&self) -> Option<WeightStreamCounters> {
+        self.planned.as_ref().map(|p| p.stream.counters())
     }
 
     /// Layer `l`'s matrices, piece by piece ([`LayerPieces::each`]).

@@ -55,7 +55,7 @@ mod tests {
     use crate::backend::cpu::Precision;
     use crate::forward::{Model, session_open_bytes};
     use crate::kv::{KV_BLOCK_TOKENS, KvCache, KvType};
-    use crate::model::gguf::writer::{TinyArch, TinyLlama};
+    use crate::model::gguf::{TinyArch, TinyLlama};
     use crate::quant::DType;
     use crate::sample::argmax;
 

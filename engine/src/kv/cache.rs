@@ -22,8 +22,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::block::{Block, Data, fresh_bytes};
-use super::{KV_BLOCK_TOKENS, KvPrefix, KvType};
-use crate::backend::cpu::{KvRows, KvSpan};
+use super::{KV_BLOCK_TOKENS, KvPrefix, KvRows, KvSpan, KvType};
 use crate::quant::quantize_row_into;
 use crate::{Error, Result};
 

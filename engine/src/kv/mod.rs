@@ -2,8 +2,8 @@
 //! f32, in blocks of [`KV_BLOCK_TOKENS`] tokens allocated as the conversation grows.
 //!
 //! - [`KvType`]: the element type, chosen per session;
-//! - [`KvCache`]: the blocks, their bytes, growth, writes and the per-layer [`KvSpan`]s the CPU
-//!   attention kernel ([`crate::backend::cpu::attend_spans`]) reads in place;
+//! - [`KvCache`]: the blocks, their bytes, growth, writes and the per-layer [`KvSpan`]s (runs of
+//!   [`KvRows`]) the CPU attention kernel ([`crate::backend::cpu::attend_spans`]) reads in place;
 //! - [`KvPrefix`]: a cache's first positions frozen, so that caches of conversations starting
 //!   with the same tokens share those blocks (copy-on-write) instead of computing them again.
 //!
@@ -11,8 +11,6 @@
 //! the positions written, and only the last block may be partly empty. A block shared through a
 //! [`KvPrefix`] is paid once, by the prefix's holder (the rule is stated in `cache.rs`'s module
 //! documentation and on [`KvCache::bytes`]).
-//!
-//! [`KvSpan`]: crate::backend::cpu::KvSpan
 
 mod block;
 mod cache;
@@ -35,6 +33,28 @@ use crate::{Error, Result};
 /// halve a count that costs nothing and double the waste a tight budget has to carry. A multiple
 /// of [`crate::forward::MAX_BATCH`], so a prefill chunk crosses at most one block boundary.
 pub const KV_BLOCK_TOKENS: usize = 64;
+
+/// Keys or values of consecutive cached positions, one row of `stride` values per position
+/// (row `p` starts at value `p * stride`), in the element type of the cache.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    /// Plain f32 values.
+    F32(&'a [f32]),
+    /// f16 values, little-endian, 2 bytes each.
+    F16(&'a [u8]),
+    /// GGUF Q8_0 blocks along each row (`stride` is a multiple of 32): 34 bytes per 32 values,
+    /// value = f16 scale × i8.
+    Q8_0(&'a [u8]),
+}
+
+/// A run of consecutive cached positions of one layer: their keys and values.
+#[derive(Clone, Copy, Debug)]
+pub struct KvSpan<'a> {
+    pub keys: KvRows<'a>,
+    pub values: KvRows<'a>,
+    /// Positions held by `keys` and `values`.
+    pub positions: usize,
+}
 
 /// Element type of a session's KV cache. Attention reads it in this type; the keys and values
 /// are computed in f32 and converted when written.

@@ -57,7 +57,7 @@ impl KvPrefix {
 mod tests {
     use super::super::{KV_BLOCK_TOKENS, KvCache};
     use super::*;
-    use crate::backend::cpu::KvRows;
+    use crate::kv::KvRows;
 
     const KV_DIM: usize = 32;
 

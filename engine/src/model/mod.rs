@@ -7,7 +7,6 @@
 
 mod bytes;
 mod config;
-mod footprint;
 pub mod gguf;
 pub mod lsm;
 pub mod safetensors;
@@ -21,7 +20,6 @@ pub use bytes::{OwnedBytes, TensorBytes, map_file, map_range, read_file, read_ra
 pub use config::{
     Architecture, FfnActivation, LayerAttention, ModelConfig, RopeStyle, SlidingWindow,
 };
-pub use footprint::{ModelBytes, load_bytes_estimate};
 pub use summary::{ModelSummary, summarize};
 pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
 

@@ -13,7 +13,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 use serde_json::Value as Json;
 
-use super::gguf::writer::{TinyArch, TinyLlama};
+use super::gguf::{TinyArch, TinyLlama};
 use super::{
     Architecture, FfnActivation, ImportedModel, ModelConfig, RopeStyle, TensorRef, read_file,
 };

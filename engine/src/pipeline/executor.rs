@@ -10,8 +10,7 @@ use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
 use super::streaming::{Policy, StreamingFfn};
 use crate::backend::cpu::Precision;
-use crate::forward::{FfnExecutor, Model};
-use crate::generate::Decode;
+use crate::forward::{Decode, FfnExecutor, Model};
 use crate::io::{DirectFile, IoOptions, open_engine};
 use crate::model::lsm::PredictorKind;
 use crate::model::{LayerWeights, Residency};
@@ -256,7 +255,7 @@ impl FfnExecutor for Executor {
 
 /// A decoder whose every pass computes the FFN through its own sparse executor: a session of a
 /// model whose plan streams FFN layers by neuron, driven like any dense session
-/// ([`crate::generate::generate`] and the rest take it as a [`Decode`]).
+/// (`generate::generate` and the rest take it as a [`Decode`]).
 #[derive(Debug)]
 pub struct WithFfn {
     pub decoder: Box<dyn Decode>,

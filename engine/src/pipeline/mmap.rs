@@ -6,11 +6,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::kernel::ChunkMath;
 use super::select::Selector;
 use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
 use crate::Result;
+use crate::backend::chunks::ChunkMath;
 use crate::backend::cpu::{Kernels, Precision, QuantizedActs};
 use crate::forward::FfnExecutor;
 use crate::model::LayerWeights;

@@ -14,8 +14,8 @@
 //! and zeroes activations below the calibrated threshold; they differ only in when they read,
 //! what they keep, and in what order they compute.
 
+mod decoder;
 pub mod executor;
-pub mod kernel;
 pub mod mmap;
 mod recall;
 pub mod select;
@@ -26,6 +26,7 @@ pub mod streaming;
 use std::fmt;
 use std::str::FromStr;
 
+pub use decoder::open_decoder;
 pub use executor::{Executor, ExecutorOptions, WithFfn};
 pub use select::{AllNeurons, NeuronScorer, Selector};
 pub use sparse_model::SparseModel;

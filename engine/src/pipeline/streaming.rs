@@ -27,10 +27,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Mode;
-use super::kernel::{ChunkCompute, ChunkMath, CpuChunks};
 use super::select::Selector;
 use super::sparse_model::SparseModel;
 use super::stats::PipelineStats;
+use crate::backend::chunks::{ChunkCompute, ChunkMath, CpuChunks};
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::cache::{Evict, Lookup, NeuronCache};
 use crate::forward::{FfnExecutor, MAX_BATCH};

@@ -34,9 +34,7 @@ mod sparse;
 pub use pieces::{PIECE_BYTES, Part, Piece, piece_matrices, pieces};
 pub use sparse::{DiskSpeeds, SparseFfn};
 
-use crate::forward::Model;
 use crate::io::{PAGE, align_down, align_up};
-use crate::kv::KvType;
 use crate::model::{LayerWeights, QRows, Weights};
 use crate::{Error, Result};
 
@@ -334,31 +332,6 @@ impl Floor {
             + self.ring
             + self.predictor
             + self.cache
-    }
-
-    /// The floor of serving `model` with one session of `context` tokens in `kv`, without the
-    /// ring.
-    pub fn of(model: &Model, context: usize, kv: KvType) -> Floor {
-        let w = &model.weights;
-        let c = &w.config;
-        Floor {
-            runtime: RUNTIME_BYTES,
-            tokenizer: model.tokenizer.heap_bytes(),
-            tables: w.bytes().heap,
-            session: crate::forward::session_open_bytes(model, context, kv)
-                + crate::kv::KvCache::full_bytes(kv, c.n_layers, c.kv_dim(), context),
-            ..Floor::default()
-        }
-    }
-
-    /// The floor of the model alone (tokenizer, tables; the ring is added by the plan): for a
-    /// caller that accounts the runtime and the sessions itself (the daemon).
-    pub fn model_only(model: &Model) -> Floor {
-        Floor {
-            tokenizer: model.tokenizer.heap_bytes(),
-            tables: model.weights.bytes().heap,
-            ..Floor::default()
-        }
     }
 }
 

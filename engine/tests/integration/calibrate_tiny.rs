@@ -10,7 +10,7 @@ use leanstream_engine::calibrate::{self, CalibrateOptions, perplexity};
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::gguf::writer::TinyArch;
+use leanstream_engine::model::gguf::TinyArch;
 use leanstream_engine::model::lsm::{LsmFile, PredictorKind};
 use leanstream_engine::predict;
 use leanstream_engine::testing;

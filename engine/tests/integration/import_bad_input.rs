@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::Error;
-use leanstream_engine::model::gguf::writer::{GgufWriter, TinyLlama};
-use leanstream_engine::model::gguf::{GgufFile, GgufModel, Value};
+use leanstream_engine::model::gguf::writer::GgufWriter;
+use leanstream_engine::model::gguf::{GgufFile, GgufModel, TinyLlama, Value};
 use leanstream_engine::model::{TensorBytes, Weights, safetensors};
 use leanstream_engine::quant::DType;
 use leanstream_engine::tokenizer::Tokenizer;

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::model::gguf::{GgufFile, GgufModel};
 use leanstream_engine::model::{RopeStyle, Weights};
 use leanstream_engine::quant::DType;

@@ -2,8 +2,8 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
-use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
 use leanstream_engine::model::gguf::{GgufModel, permute_qk};
+use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::model::{RopeStyle, TensorRef, Weights, safetensors};
 use leanstream_engine::quant::{DType, dequantize_row};
 

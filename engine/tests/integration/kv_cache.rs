@@ -8,7 +8,7 @@ use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::{generate, score};
 use leanstream_engine::kv::{KV_BLOCK_TOKENS, KvType};
-use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
+use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::quant::DType;
 use leanstream_engine::reference::Reference;
 use leanstream_engine::sample::SamplerConfig;

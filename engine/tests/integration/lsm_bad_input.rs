@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use leanstream_engine::model::gguf::writer::TinyLlama;
+use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::model::{TensorBytes, load, load_imported, lsm};
 use leanstream_engine::quant::DType;
 use leanstream_engine::testing;

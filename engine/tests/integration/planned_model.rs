@@ -10,7 +10,7 @@ use std::sync::Arc;
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{MAX_BATCH, Model, Session};
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
+use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::model::lsm;
 use leanstream_engine::plan::{Floor, PIECE_BYTES, Part, Placement, Plan, pieces};
 use leanstream_engine::quant::DType;
@@ -133,9 +133,9 @@ fn check_file(path: &Path, piece_bytes: usize) {
         assert_eq!(logits(&planned), expected, "{}: {what}", path.display());
 
         // One token reads exactly the plan's units, and its embedding row when that streams.
-        let before = planned.stream_stats().unwrap();
+        let before = planned.stream_counters().unwrap();
         session(&planned).forward(5).unwrap();
-        let after = planned.stream_stats().unwrap();
+        let after = planned.stream_counters().unwrap();
         assert_eq!(
             after.bytes_read - before.bytes_read,
             plan.unit_bytes_per_token(),
@@ -208,7 +208,7 @@ fn a_prompt_of_two_batches_with_a_streamed_head_realigns_the_stream() {
     assert_eq!(session(&planned).forward_batch(&long).unwrap(), &want[..]);
     // The reader ran ahead into the head after the first batch; the second batch needed layer
     // 0 again, so at least one unit came back unused.
-    assert!(planned.stream_stats().unwrap().wasted_units >= 1);
+    assert!(planned.stream_counters().unwrap().wasted_units >= 1);
 }
 
 #[test]

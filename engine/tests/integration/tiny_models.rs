@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::forward::{Model, Session, forward_each};
 use leanstream_engine::kv::KvType;
-use leanstream_engine::model::gguf::writer::{TinyArch, TinyLlama};
+use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::model::{gguf, lsm, safetensors};
 use leanstream_engine::quant::DType;
 use leanstream_engine::reference::Reference;

@@ -131,16 +131,7 @@ fn prompts_that_arrive_together_each_reserve_their_kv_or_are_refused_before_they
     let pool = Pool::default();
     // A gate session holds the worker inside its first pass until every request is admitted,
     // so that all of them start in the same round.
-    let (release, gate) = std::sync::mpsc::channel::<()>();
-    let gate = Mutex::new(Some(gate));
-    let held = Hooked {
-        inner: exact(&model, 64, KvType::F32),
-        before_pass: Box::new(move || {
-            if let Some(gate) = gate.lock().unwrap().take() {
-                let _ = gate.recv();
-            }
-        }),
-    };
+    let (release, held) = gate(&model);
     let gate_id = SENT as SessionId + 1;
     let gate_tokens = model.model.tokenizer.encode(PROMPT).unwrap().len();
     pool.hold(gate_id, held.bytes());
@@ -291,13 +282,7 @@ fn constrained(
         spec.grammar = Some(grammar);
         let (read, answer) = request(&engine.tx, id, PROMPT, spec);
         let answer = answer.blocking_recv().unwrap();
-        let text: String = read_events(read)
-            .iter()
-            .filter_map(|e| match e {
-                StreamEvent::Token { text, .. } => Some(text.as_str()),
-                _ => None,
-            })
-            .collect();
+        let text = text(&read_events(read));
         out.push((answer, text));
     }
     engine.tx.send(Command::Shutdown).unwrap();

@@ -4,10 +4,10 @@
 //! leaves; the verification rows buffer is reserved and handed back.
 
 use leanstream_engine::generate::speculate::MAX_DRAFT;
-use leanstream_engine::generate::{Next, Speculation};
+use leanstream_engine::generate::{Next, Speculation, StopRules};
 
 use super::*;
-use crate::scheduler::run::REALTIME_MAX_DRAFT;
+use crate::scheduler::room::REALTIME_MAX_DRAFT;
 
 /// Prompts that repeat themselves, so that lookup drafts find something to match.
 const REPEATING: [&str; 4] = [
@@ -90,7 +90,7 @@ fn converse(model: &Arc<LoadedModel>, turns: &[(String, Vec<String>)]) -> Vec<Ve
             stop: stop.clone(),
             ..spec(LONG, Priority::default())
         };
-        send_generate(&engine, 1, prompt, spec, out)
+        send_generate(&engine.tx, 1, prompt, spec, out)
             .blocking_recv()
             .unwrap()
             .unwrap();
@@ -99,17 +99,6 @@ fn converse(model: &Arc<LoadedModel>, turns: &[(String, Vec<String>)]) -> Vec<Ve
     engine.tx.send(Command::Shutdown).unwrap();
     engine.thread.join().unwrap();
     streams
-}
-
-/// The text of a stream's tokens.
-fn text(events: &[StreamEvent]) -> String {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            StreamEvent::Token { text, .. } => Some(text.as_str()),
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]
@@ -191,7 +180,7 @@ fn reserving(
     let engine = Scheduler::start(events, budget(recorder)).unwrap();
     open(&engine, 1, model, exact(model, 64, KvType::F32));
     let (read, out) = std::io::pipe().unwrap();
-    send_generate(&engine, 1, prompt, spec(LONG, priority), out)
+    send_generate(&engine.tx, 1, prompt, spec(LONG, priority), out)
         .blocking_recv()
         .unwrap()
         .unwrap();

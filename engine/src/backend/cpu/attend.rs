@@ -9,32 +9,11 @@
 use half::f16;
 
 use super::{Kernels, softmax_inplace};
+use crate::kv::{KvRows, KvSpan};
 use crate::quant::{DType, QK};
 
 /// Bytes of one q8_0 block (f16 scale and 32 × i8).
 const Q8_0_BLOCK_BYTES: usize = 34;
-
-/// Keys or values of consecutive cached positions, one row of `stride` values per position
-/// (row `p` starts at value `p * stride`), in the element type of the cache.
-#[derive(Clone, Copy, Debug)]
-pub enum KvRows<'a> {
-    /// Plain f32 values.
-    F32(&'a [f32]),
-    /// f16 values, little-endian, 2 bytes each.
-    F16(&'a [u8]),
-    /// GGUF Q8_0 blocks along each row (`stride` is a multiple of 32): 34 bytes per 32 values,
-    /// value = f16 scale × i8.
-    Q8_0(&'a [u8]),
-}
-
-/// A run of consecutive cached positions of one layer: their keys and values.
-#[derive(Clone, Copy, Debug)]
-pub struct KvSpan<'a> {
-    pub keys: KvRows<'a>,
-    pub values: KvRows<'a>,
-    /// Positions held by `keys` and `values`.
-    pub positions: usize,
-}
 
 /// One query head's decode attention over `scores.len()` cached positions, read from `spans`
 /// in order: `scores[p]` becomes the softmax of `q·k_p / sqrt(head_dim)` and `out` the scores'

@@ -63,7 +63,7 @@ use std::sync::OnceLock;
 use crate::model::QRows;
 use crate::quant::{DType, QK};
 
-pub use attend::{KvRows, KvSpan, attend, attend_spans};
+pub use attend::{attend, attend_spans};
 pub use dense::{add_inplace, rmsnorm, rmsnorm_inplace, rope, silu_mul, softmax_inplace};
 pub use matvec::{Disjoint, for_each_chunk, on_pool};
 pub use partial::{down_neurons, partial_sums};

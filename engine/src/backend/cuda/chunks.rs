@@ -24,8 +24,8 @@ use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
 use super::kernels::GatheredChunks;
 use super::memory::{HostRegistration, copy_to_device_async, download_into, zeros};
 use super::{CudaBackend, cuda};
+use crate::backend::chunks::{BLOCKS, ChunkCompute, Unit};
 use crate::model::lsm::ChunkLayout;
-use crate::pipeline::kernel::{BLOCKS, ChunkCompute, Unit};
 use crate::{Error, Result};
 
 /// The device twin of the cache arena (discrete GPUs) and which chunk each twin slot holds.

@@ -5,15 +5,16 @@
 //! - `kernels.rs`: typed launches on device pointers (what the forward pass uses);
 //! - `ops.rs`: [`crate::backend::ops::KernelOps`] on host vectors, for the conformance tests;
 //! - `memory.rs`: device buffers, copies, and host memory registered with the driver;
-//! - `session.rs`: a decode session whose whole forward pass runs on the GPU;
 //! - `chunks.rs`: the streaming pipeline's chunk computations on the GPU, over the neuron
 //!   cache registered with the driver.
+//!
+//! The forward pass that runs a whole model on the GPU (`CudaModel`, `CudaSession`) is the
+//! forward layer's (`forward/cuda.rs`): this module knows kernels and memory, not models.
 
 mod chunks;
 mod kernels;
 mod memory;
 mod ops;
-mod session;
 
 use cust::device::DeviceAttribute;
 use cust::module::ModuleJitOption;
@@ -22,7 +23,7 @@ use cust::prelude::*;
 pub use chunks::CudaChunks;
 pub use kernels::{F32Ptr, GatheredChunks};
 pub use memory::HostRegistration;
-pub use session::{CudaModel, CudaSession};
+pub(crate) use memory::{download, download_into, upload, zeros};
 
 use crate::quant::DType;
 use crate::{Error, Result};
@@ -49,7 +50,7 @@ const PTX: [(&str, &str); 5] = [
 ];
 
 /// Maps a `cust` error to [`Error::Cuda`] naming what was being done.
-fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
+pub(crate) fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
 
@@ -136,6 +137,11 @@ impl CudaBackend {
             .map_err(|e| Error::Cuda(format!("kernel {module}.{name}: {e}")))
     }
 
+    /// The stream every kernel of this backend is queued on.
+    pub(crate) fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
     /// Waits for everything queued on the stream.
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(cuda("synchronising"))
@@ -147,6 +153,5 @@ const _: () = {
     const fn send_sync<T: Send + Sync>() {}
     const fn send<T: Send>() {}
     send_sync::<CudaBackend>();
-    send::<CudaSession>();
     send::<CudaChunks>();
 };

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use reader::{DEFAULT_ALIGNMENT, GgufFile, GgufTensorInfo, MAGIC, MAX_DIMS};
-pub use tiny::permute_qk;
+pub use tiny::{TinyArch, TinyLlama, permute_qk, tiny_llama};
 pub use value::{Array, Value, dtype_from_ggml, ggml_type_name, ggml_type_of};
 
 use super::{
@@ -332,8 +332,9 @@ fn read_vocab(f: &GgufFile) -> Result<GgufVocab> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)] // tests fail loudly on purpose
 mod tests {
-    use super::writer::{GgufWriter, TinyArch, TinyLlama};
+    use super::writer::GgufWriter;
     use super::*;
+    use super::{TinyArch, TinyLlama};
     use crate::model::{TensorBytes, Weights};
     use crate::quant::DType;
 

@@ -18,8 +18,6 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-pub use super::tiny::{TinyArch, TinyLlama, tiny_llama};
-
 use super::reader::{DEFAULT_ALIGNMENT, MAGIC};
 use super::value::{Array, Value, ggml_type_of, type_id};
 use crate::quant::DType;

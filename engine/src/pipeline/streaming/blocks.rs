@@ -16,9 +16,9 @@ use std::ops::Range;
 
 use super::Rows;
 use crate::Result;
+use crate::backend::chunks::{BLOCKS, ChunkCompute, ChunkMath, Unit};
 use crate::backend::cpu::{self, QuantizedActs};
 use crate::model::lsm::ChunkLayout;
-use crate::pipeline::kernel::{BLOCKS, ChunkCompute, ChunkMath, Unit};
 
 /// The block bookkeeping of one layer of a pass, and its partial sums.
 #[derive(Debug)]

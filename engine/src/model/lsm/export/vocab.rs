@@ -292,7 +292,7 @@ pub(super) fn pre_of(tokenizer: &serde_json::Value) -> std::result::Result<&'sta
 mod tests {
     use super::*;
     use crate::model::TensorBytes;
-    use crate::model::gguf::writer::TinyLlama;
+    use crate::model::gguf::TinyLlama;
     use crate::model::gguf::{GgufFile, GgufModel};
 
     /// The tiny models' GGUF vocabulary (128 tokens, 29 merges, `pre` smollm).

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::model::gguf::writer::TinyLlama;
+use crate::model::gguf::TinyLlama;
 use crate::tokenizer::{SpecialTokens, Tokenizer};
 use crate::{Error, Result};
 

@@ -7,15 +7,18 @@
 //! The dense FFN uses the same gathered kernels as the sparse one, over every chunk of a layer:
 //! the model's gate, up and down rows are packed into neuron bundles (the `.lsm` chunk layout)
 //! when uploaded, so one kernel pair serves dense and sparse and is tested once.
+//!
+//! The kernels and device memory are [`crate::backend::cuda`]'s; the pass that strings them
+//! together is here, beside the CPU's, because it runs the loaded [`Model`].
 
 use std::sync::Arc;
 
 use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
 
-use super::kernels::GatheredChunks;
-use super::memory::{download, download_into, upload, zeros};
-use super::{CudaBackend, cuda};
-use crate::forward::{FfnExecutor, Model, check_tokens};
+use super::{Decode, FfnExecutor, Model, check_tokens};
+use crate::backend::cuda::{
+    CudaBackend, GatheredChunks, cuda, download, download_into, upload, zeros,
+};
 use crate::model::lsm::ChunkLayout;
 use crate::model::{Down, FfnActivation, ModelConfig, QRows};
 use crate::quant::DType;
@@ -530,7 +533,7 @@ impl CudaSession {
                     })?;
                     // SAFETY: `proj` is this session's buffer; the memset is queued on the
                     // stream that runs every kernel reading it.
-                    unsafe { self.proj.set_32_async(0, &gpu.stream) }
+                    unsafe { self.proj.set_32_async(0, gpu.stream()) }
                         .map_err(cuda("clearing the FFN output"))?;
                     let chunks = GatheredChunks {
                         ptrs: ffn.ptrs.as_device_ptr(),
@@ -576,7 +579,7 @@ impl CudaSession {
     }
 }
 
-impl crate::generate::Decode for CudaSession {
+impl Decode for CudaSession {
     fn forward(&mut self, token: u32) -> Result<&mut [f32]> {
         CudaSession::forward(self, token)
     }
@@ -638,3 +641,9 @@ impl crate::generate::Decode for CudaSession {
         Some((self.model.device_bytes() + self.own_device_bytes()) as u64)
     }
 }
+
+/// Sessions move to the daemon's engine thread.
+const _: () = {
+    const fn send<T: Send>() {}
+    send::<CudaSession>();
+};

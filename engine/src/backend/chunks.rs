@@ -1,6 +1,8 @@
 //! The sparse FFN over neuron chunks: each chunk adds its neurons' share of the output, so chunks
 //! can be computed as they arrive; the streaming pipeline sums them in fixed blocks ([`Unit`])
-//! so that the result does not depend on the order.
+//! so that the result does not depend on the order. A stage runs through [`ChunkCompute`], which
+//! the CPU ([`CpuChunks`]) and, with feature `cuda`, the GPU (`cuda::CudaChunks`) implement; the
+//! pipelines above choose which.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

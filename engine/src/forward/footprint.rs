@@ -3,14 +3,17 @@
 //! caller can reserve memory before it loads.
 //!
 //! Each part reports its own bytes next to where it allocates them: the weights
-//! ([`Weights::bytes`](super::Weights::bytes): the owned file image, less any skipped streamed
-//! section, and the f32 tables derived from it), the tokenizer
-//! ([`Tokenizer::heap_bytes`]), and the model's own strings here.
+//! ([`Weights::bytes`]: the owned file image, less any skipped streamed section, and the f32
+//! tables derived from it), the tokenizer ([`Tokenizer::heap_bytes`]), and the model's own
+//! strings here. The estimate lives beside [`Model`], not in [`crate::model`], because it counts
+//! the loaded model's own struct.
 
 use std::path::Path;
 
-use super::{OwnedBytes, SourceKind, lsm};
-use crate::forward::Model;
+use super::Model;
+use crate::model::{
+    LayerWeights, ModelConfig, OwnedBytes, SourceKind, Weights, gguf, lsm, map_file, safetensors,
+};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
@@ -65,8 +68,8 @@ impl Model {
 /// An upper bound of [`Model::bytes`] after loading `path` (GGUF, `.lsm` or a safetensors
 /// directory), computed from its header and metadata without loading its weights. With
 /// `skip_streamed`, a `.lsm` file's streamed FFN section is left out, as
-/// [`Residency::OwnedExceptStreamed`](super::Residency::OwnedExceptStreamed) leaves it. Header
-/// reads go through a map of the file (nothing past the metadata is touched).
+/// [`Residency::OwnedExceptStreamed`](crate::model::Residency::OwnedExceptStreamed) leaves
+/// it. Header reads go through a map of the file (nothing past the metadata is touched).
 pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
     let file_len = |p: &Path| {
         std::fs::metadata(p)
@@ -75,7 +78,7 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
     };
     match SourceKind::detect(path)? {
         SourceKind::Lsm => {
-            let f = lsm::LsmFile::parse(path, super::map_file(path)?)?;
+            let f = lsm::LsmFile::parse(path, map_file(path)?)?;
             let h = &f.header;
             let streamed = if skip_streamed { h.streamed.len } else { 0 };
             let tokenizer = match &h.tokenizer_vocab {
@@ -92,10 +95,7 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
                 + other_bound(path, template))
         }
         SourceKind::Gguf => {
-            let m = super::gguf::GgufModel::from_file(&super::gguf::GgufFile::parse(
-                path,
-                super::map_file(path)?,
-            )?)?;
+            let m = gguf::GgufModel::from_file(&gguf::GgufFile::parse(path, map_file(path)?)?)?;
             let template = m.chat_template.as_ref().map_or(0, String::len);
             Ok(file_len(path)?
                 + tables_bound(&m.config)
@@ -112,7 +112,7 @@ pub fn load_bytes_estimate(path: &Path, skip_streamed: bool) -> Result<u64> {
             let json = std::fs::read_to_string(path.join("tokenizer.json"))
                 .map_err(|e| Error::io(path.join("tokenizer.json"), e))?;
             let vocab = tokenizer_json_counts(&json);
-            let config = super::safetensors::read_config(path)?;
+            let config = safetensors::read_config(path)?;
             // Every file of the directory (weights, tokenizer, config) bounds the image.
             Ok(total
                 + tables_bound(&config)
@@ -161,12 +161,12 @@ fn tokenizer_json_counts(json: &str) -> (usize, usize, usize, usize) {
     (tokens, strings, merges, added)
 }
 
-/// The f32 tables [`super::Weights`] derives (norms, biases), per the config's shapes, and the
+/// The f32 tables [`Weights`] derives (norms, biases), per the config's shapes, and the
 /// layer table itself.
-fn tables_bound(c: &super::ModelConfig) -> u64 {
+fn tables_bound(c: &ModelConfig) -> u64 {
     let (d, q, kv) = (c.d_model, c.q_dim(), c.kv_dim());
-    let per_layer = 4 * (2 * d + q + 2 * kv) + std::mem::size_of::<super::LayerWeights>();
-    (c.n_layers * per_layer + 4 * d + std::mem::size_of::<super::Weights>()) as u64
+    let per_layer = 4 * (2 * d + q + 2 * kv) + std::mem::size_of::<LayerWeights>();
+    (c.n_layers * per_layer + 4 * d + std::mem::size_of::<Weights>()) as u64
 }
 
 fn other_bound(path: &Path, template: usize) -> u64 {
