@@ -125,6 +125,14 @@ impl SessionHandle {
         self.rt.block_on(self.inner.stats())
     }
 
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
+        self.rt.block_on(self.inner.tokenize(text))
+    }
+
+    pub fn apply_template(&self, messages: &[ChatTurn]) -> Result<String> {
+        self.rt.block_on(self.inner.apply_template(messages))
+    }
+
     pub fn close(self) -> Result<()> {
         self.rt.block_on(self.inner.close())
     }

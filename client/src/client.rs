@@ -139,6 +139,17 @@ impl SessionHandle {
         Ok(self.proxy.stats().await?)
     }
 
+    /// The token ids `text` encodes to on the session's model (its length counts what a
+    /// prompt costs in context).
+    pub async fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.proxy.tokenize(text).await?)
+    }
+
+    /// The prompt text the model's chat template makes of `messages`.
+    pub async fn apply_template(&self, messages: &[ChatTurn]) -> Result<String> {
+        Ok(self.proxy.apply_template(messages).await?)
+    }
+
     /// Closes the session and releases its memory.
     pub async fn close(self) -> Result<()> {
         Ok(self.proxy.close().await?)

@@ -93,9 +93,11 @@ pub struct ModelInfo {
     pub loaded: bool,
 }
 
-/// Sampling and length settings of one generation. Zero values mean "the daemon's default" for
-/// `max_tokens`; `temperature` 0 is greedy; `top_k` 0 and `top_p` 1 disable those cuts.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Type)]
+/// Sampling and length settings of one generation, as Rust callers set them. On the wire they
+/// travel as an `a{sv}` dictionary of the keys that differ from these defaults (`options.rs`:
+/// the keys and their types). Zero values mean "the daemon's default" for `max_tokens`;
+/// `temperature` 0 is greedy; `top_k` 0 and `top_p` 1 disable those cuts.
+#[derive(Clone, Debug, PartialEq)]
 pub struct GenerateParams {
     pub max_tokens: u32,
     pub temperature: f64,
@@ -105,7 +107,8 @@ pub struct GenerateParams {
     pub seed: u64,
     /// Generation stops after any of these strings appears in the output.
     pub stop: Vec<String>,
-    /// What `grammar` holds: `""` (no constraint), or one of [`GRAMMAR_KINDS`].
+    /// What `grammar` holds: `""` (no constraint), or one of [`GRAMMAR_KINDS`] (the option's key
+    /// on the wire).
     pub grammar_kind: String,
     /// A JSON Schema, a Lark grammar or a regex the whole output must match: generation is
     /// constrained token by token, so the text parses (and validates) when it ends at `eos`.
@@ -117,6 +120,8 @@ pub struct GenerateParams {
     pub first_token_deadline_ms: u32,
     /// Milliseconds from the call by which the generation should be over; 0 = none.
     pub deadline_ms: u32,
+    /// Also mark where sentences and phrases end ([`StreamEvent::Sentence`]), for speech.
+    pub sentences: bool,
 }
 
 /// How urgent a generation is. The scheduler serves higher classes first and pre-empts lower
@@ -192,6 +197,7 @@ impl Default for GenerateParams {
             priority: String::new(),
             first_token_deadline_ms: 0,
             deadline_ms: 0,
+            sentences: false,
         }
     }
 }
@@ -394,6 +400,10 @@ pub struct StreamStats {
 pub enum StreamEvent {
     /// A generated token and the text it completed (may be empty while a UTF-8 character is split).
     Token { id: u32, text: String },
+    /// With the `sentences` option: the text since the previous mark, sent right after the token
+    /// that ends a sentence or a phrase (`.`, `!`, `?`, `;`, `:` or a newline, followed by
+    /// whitespace), and with the rest before `done`.
+    Sentence { text: String },
     /// The generation ended normally; `reason` is `eos`, `max_tokens`, `stop_string` or `context_full`.
     Done { reason: String, stats: StreamStats },
     /// The generation failed or was cancelled; `name` is the error name without the prefix.
@@ -447,4 +457,8 @@ pub trait Session {
     /// Closes the session and releases its memory.
     fn close(&self) -> zbus::Result<()>;
     fn stats(&self) -> zbus::Result<SessionStats>;
+    /// The token ids `text` encodes to on the session's model, as `generate` would encode it.
+    fn tokenize(&self, text: &str) -> zbus::Result<Vec<u32>>;
+    /// The prompt text `generate_chat` would run for `messages` (the chat template applied).
+    fn apply_template(&self, messages: &[ChatTurn]) -> zbus::Result<String>;
 }

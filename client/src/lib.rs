@@ -24,9 +24,11 @@ mod bus;
 mod client;
 pub mod contract;
 mod error;
+mod options;
 mod stream;
 
 pub use bus::Bus;
 pub use client::{Client, SessionHandle};
 pub use error::{Error, Result, daemon_message};
+pub use options::OPTION_KEYS;
 pub use stream::{Generation, TokenStream};

@@ -45,6 +45,9 @@ pub struct Generation {
     pub ids: Vec<u32>,
     /// The generated text (the concatenated token texts).
     pub text: String,
+    /// The text cut at sentence and phrase ends, with the `sentences` option (else empty).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sentences: Vec<String>,
     /// Why it stopped: `eos`, `max_tokens`, `stop_string` or `context_full`.
     pub reason: String,
     pub stats: StreamStats,
@@ -102,6 +105,7 @@ impl TokenStream {
                     generation.ids.push(id);
                     generation.text.push_str(&text);
                 }
+                StreamEvent::Sentence { text } => generation.sentences.push(text),
                 StreamEvent::Done { reason, stats } => {
                     generation.reason = reason;
                     generation.stats = stats;
@@ -166,6 +170,7 @@ impl TokenStream {
                 self.tokens += 1;
                 Ok(event)
             }
+            StreamEvent::Sentence { .. } => Ok(event),
             StreamEvent::Done { .. } => {
                 self.ended = true;
                 Ok(event)

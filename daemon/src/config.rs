@@ -91,8 +91,9 @@ pub struct ModelParams {
 }
 
 /// How long an unpinned model stays loaded after its last session closes: the `keep_alive` key,
-/// in seconds, `0` (the default) for "unload at once" and `-1` for "never". The variants are in
-/// order of length, so `max` is the longer of two.
+/// in seconds (default [`KeepAlive::DEFAULT_SECONDS`]), `0` for "unload at once" and `-1` for
+/// "never". The variants are in order of length, so `max` is the longer of two. (`Default` is
+/// the shortest, what a model nobody holds gets from its holders.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub enum KeepAlive {
     #[default]
@@ -104,6 +105,10 @@ pub enum KeepAlive {
 impl KeepAlive {
     /// The longest `Idle` a configuration or a client may ask for: one week.
     pub const MAX_IDLE_SECONDS: i64 = 604_800;
+    /// `[engine] keep_alive` when unset: five minutes, so that a command-line tool or an app
+    /// that opens a session per request does not load the model every time (Ollama's default
+    /// is the same).
+    pub const DEFAULT_SECONDS: i64 = 300;
 
     /// `-1` never, `0` at the last close, `1..=MAX_IDLE_SECONDS` seconds; else the reason.
     pub fn from_seconds(n: i64) -> Result<KeepAlive, String> {
@@ -214,7 +219,11 @@ impl Params {
             kv_type: parse_kv_type("engine.kv_type", e.kv_type.as_deref())?.unwrap_or_default(),
             max_bytes: None,
             placement: PlacementPolicy::Auto,
-            keep_alive: parse_keep_alive("engine.keep_alive", e.keep_alive)?.unwrap_or_default(),
+            keep_alive: parse_keep_alive(
+                "engine.keep_alive",
+                Some(e.keep_alive.unwrap_or(KeepAlive::DEFAULT_SECONDS)),
+            )?
+            .unwrap_or_default(),
             preload: false,
             speculate: parse_speculate("engine.speculate", e.speculate.as_deref())?
                 .unwrap_or_default(),

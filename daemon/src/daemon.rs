@@ -20,7 +20,7 @@ use crate::calls::Calls;
 use crate::catalog::Catalog;
 use crate::config::Params;
 use crate::directory;
-use crate::request::Request;
+use crate::request::{Request, ask};
 use crate::scheduler::{Scheduler, SessionBudget};
 use crate::service::{Manager, Shared};
 use crate::state::{Budget, BusPort, Inbox, State};
@@ -160,8 +160,19 @@ pub async fn run(
         anyhow::bail!("the bus name {BUS_NAME} is owned by another process ({reply:?})");
     }
     tracing::info!("serving {BUS_NAME} on the {bus} bus");
+    // Under systemd (`Type=notify`): ready now, and alive for as long as the watchdog's pings
+    // come back. Without a notify socket these do nothing.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!("telling systemd the daemon is ready: {e}");
+    }
+    let watchdog =
+        sd_notify::watchdog_enabled().map(|every| tokio::spawn(watchdog(tx.clone(), every)));
 
     shutdown.await;
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     let (done_tx, done_rx) = oneshot::channel();
     if tx.send(Request::Shutdown { reply: done_tx }).await.is_ok() {
         let _ = done_rx.await;
@@ -178,6 +189,26 @@ pub async fn run(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Tells systemd's watchdog the daemon is alive, at least twice per `every` (`WatchdogSec`),
+/// for as long as a ping through the state owner and both scheduler threads comes back within a
+/// quarter of it. A hung part stops the pings, and systemd restarts the service.
+async fn watchdog(tx: mpsc::Sender<Request>, every: std::time::Duration) {
+    let quarter = every / 4;
+    loop {
+        let ping = ask(&tx, |reply| Request::Ping { reply });
+        match tokio::time::timeout(quarter, ping).await {
+            Ok(Ok(())) => {
+                if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
+                    tracing::warn!("watchdog: {e}");
+                }
+            }
+            Ok(Err(e)) => tracing::error!("watchdog: no answer from the scheduler: {e}"),
+            Err(_) => tracing::error!("watchdog: no answer within {quarter:?}"),
+        }
+        tokio::time::sleep(quarter).await;
+    }
 }
 
 /// Reports every unique name that leaves the bus, so that its sessions are dropped at once.

@@ -12,6 +12,7 @@ mod access;
 mod arbiter;
 mod calls;
 mod catalog;
+mod checks;
 mod config;
 mod daemon;
 mod directory;

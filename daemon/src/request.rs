@@ -2,6 +2,8 @@
 //! a oneshot for its reply ([`ask`]). Its own module, so that the bus face and the state owner
 //! both depend on it and not on each other.
 
+use std::sync::Arc;
+
 use leanstream::contract::{LeanStreamError, MemoryReport, SessionStats};
 use tokio::sync::{mpsc, oneshot};
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
@@ -9,7 +11,7 @@ use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 use crate::arbiter::SessionId;
 use crate::config::KeepAlive;
 use crate::models::ModelFile;
-use crate::scheduler::{GenSpec, Input};
+use crate::scheduler::{GenSpec, Input, LoadedModel};
 
 /// Where a request's answer goes.
 pub type Reply<T> = oneshot::Sender<Result<T, LeanStreamError>>;
@@ -64,6 +66,15 @@ pub enum Request {
         client: String,
         reply: Reply<SessionStats>,
     },
+    /// The model of session `id`, for work on it outside the state owner (tokenising).
+    Model {
+        id: SessionId,
+        client: String,
+        reply: Reply<Arc<LoadedModel>>,
+    },
+    /// Answered once the state owner and both scheduler threads have taken it: the daemon is
+    /// alive (the systemd watchdog's check).
+    Ping { reply: Reply<()> },
     /// Cancel everything, stop the scheduler, then reply.
     Shutdown { reply: oneshot::Sender<()> },
 }

@@ -75,6 +75,7 @@
 //! - [`passes`]: the steps of a round grouped into forward passes, and running them;
 //! - [`run`]: one generation in flight and the events it writes;
 //! - [`room`]: a generation's reservations in the budget;
+//! - [`sentences`]: sentence and phrase marks in the stream, for speech;
 //! - [`prefix`]: prompt prefixes shared between sessions;
 //! - [`pipe`]: the non-blocking write end of a stream.
 
@@ -84,6 +85,7 @@ mod pipe;
 mod prefix;
 mod room;
 mod run;
+mod sentences;
 #[cfg(test)]
 mod tests;
 mod worker;
@@ -102,6 +104,7 @@ use leanstream_engine::sample::SamplerConfig;
 
 use crate::arbiter::SessionId;
 pub use crate::loader::LoadedModel;
+pub use admit::prompt_ids;
 use admit::{Admission, WorkQueue};
 use run::Run;
 use worker::Worker;
@@ -128,6 +131,8 @@ pub struct GenSpec {
     pub first_token_within: Option<Duration>,
     /// The generation should be over this long after the request.
     pub within: Option<Duration>,
+    /// Mark sentence and phrase ends in the stream (`StreamEvent::Sentence`).
+    pub sentences: bool,
 }
 
 /// Commands to the scheduler, taken in the order they are sent.
@@ -154,6 +159,9 @@ pub enum Command {
     },
     /// Ends the running generation of `id` with a `Cancelled` event.
     Cancel { id: SessionId },
+    /// Answered once the worker is between two passes: both threads are alive (the systemd
+    /// watchdog's check).
+    Ping(tokio::sync::oneshot::Sender<()>),
     /// Cancels everything (streams end with `Cancelled`), flushes for at most a second, exits.
     Shutdown,
 }

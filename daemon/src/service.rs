@@ -3,35 +3,25 @@
 //! reply (`ListModels` is answered by the [`Catalog`] instead). The caller's identity is the
 //! sender's unique name from the message header (set by the bus, so it cannot be forged).
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use leanstream::contract::{
-    ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, Priority, SessionStats,
+    ChatTurn, GenerateParams, LeanStreamError, MemoryReport, ModelInfo, SessionStats,
 };
-use leanstream_engine::chat::ChatMessage;
 use tokio::sync::mpsc;
 use zbus::interface;
 use zbus::message::Header;
-use zbus::zvariant::{OwnedFd, OwnedObjectPath};
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, OwnedValue};
 
 use crate::arbiter::SessionId;
 use crate::calls::{Calls, InFlight};
 use crate::catalog::Catalog;
+use crate::checks::{chat_messages, check_prompt, validate_params};
 use crate::config::{KeepAlive, Params};
 use crate::models::{self, ModelFile};
 use crate::request::{Request, ask};
-use crate::scheduler::{GenSpec, Input};
-
-/// Most stop strings per request, and the longest one in bytes.
-const MAX_STOP_STRINGS: usize = 16;
-const MAX_STOP_BYTES: usize = 256;
-/// Most chat turns per request.
-const MAX_TURNS: usize = 1024;
-/// The longest JSON Schema, grammar or regex a request may carry (it is compiled per request).
-const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
-/// Longest deadline a request may set: a day.
-const MAX_DEADLINE_MS: u32 = 24 * 3600 * 1000;
+use crate::scheduler::{Input, LoadedModel, prompt_ids};
 
 /// The caller's unique name.
 fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
@@ -59,6 +49,9 @@ impl Shared {
     }
 }
 
+/// Generation options as they arrive: an `a{sv}` dictionary (`GenerateParams::from_options`).
+type Options = HashMap<String, OwnedValue>;
+
 /// Resolves a model name in the model directory, off the async workers.
 async fn resolve(params: &Params, name: &str) -> Result<ModelFile, LeanStreamError> {
     models::check_name(name)?;
@@ -67,76 +60,6 @@ async fn resolve(params: &Params, name: &str) -> Result<ModelFile, LeanStreamErr
     tokio::task::spawn_blocking(move || models::resolve(&dir, &name))
         .await
         .map_err(|e| LeanStreamError::Internal(e.to_string()))?
-}
-
-/// Checks sampling and length settings against the limits; `max_tokens` 0 means the limit.
-pub fn validate_params(p: &GenerateParams, params: &Params) -> Result<GenSpec, LeanStreamError> {
-    let invalid = |m: String| Err(LeanStreamError::InvalidArgument(m));
-    let max_tokens = match p.max_tokens as usize {
-        0 => params.max_tokens,
-        n if n <= params.max_tokens => n,
-        n => {
-            return invalid(format!(
-                "max_tokens {n} is over the limit of {}",
-                params.max_tokens
-            ));
-        }
-    };
-    if p.top_k > 1_000_000 {
-        return invalid(format!("top_k {} is absurd", p.top_k));
-    }
-    if p.stop.len() > MAX_STOP_STRINGS
-        || p.stop
-            .iter()
-            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
-    {
-        return invalid(format!(
-            "stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"
-        ));
-    }
-    let sampler = p.sampler_config();
-    sampler
-        .validate()
-        .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))?;
-    let grammar = p.grammar().map_err(LeanStreamError::InvalidArgument)?;
-    if p.grammar.len() > MAX_GRAMMAR_BYTES {
-        return invalid(format!(
-            "the grammar is {} bytes; at most {MAX_GRAMMAR_BYTES}",
-            p.grammar.len()
-        ));
-    }
-    let priority = Priority::parse(&p.priority).map_err(LeanStreamError::InvalidArgument)?;
-    let deadline = |ms: u32, name: &str| match ms {
-        0 => Ok(None),
-        ms if ms <= MAX_DEADLINE_MS => Ok(Some(Duration::from_millis(ms.into()))),
-        ms => Err(LeanStreamError::InvalidArgument(format!(
-            "{name} {ms} ms is over the limit of {MAX_DEADLINE_MS} ms"
-        ))),
-    };
-    Ok(GenSpec {
-        max_tokens,
-        sampler,
-        stop: p.stop.clone(),
-        grammar: grammar.map(|(kind, text)| (kind, text.to_string())),
-        priority,
-        first_token_within: deadline(p.first_token_deadline_ms, "first_token_deadline_ms")?,
-        within: deadline(p.deadline_ms, "deadline_ms")?,
-    })
-}
-
-fn check_prompt(len: usize, params: &Params) -> Result<(), LeanStreamError> {
-    if len == 0 {
-        return Err(LeanStreamError::InvalidArgument(
-            "the prompt is empty".into(),
-        ));
-    }
-    if len > params.max_prompt_bytes {
-        return Err(LeanStreamError::InvalidArgument(format!(
-            "the prompt is {len} bytes, over the limit of {}",
-            params.max_prompt_bytes
-        )));
-    }
-    Ok(())
 }
 
 /// `io.github.leanstream.LeanStream1.Manager` at [`leanstream::contract::MANAGER_PATH`].
@@ -148,8 +71,10 @@ pub struct Manager {
 
 #[interface(name = "io.github.leanstream.LeanStream1.Manager")]
 impl Manager {
-    /// `_header`: zbus checks a call's arguments against the method's only when the method
-    /// reads the message; without it, a call with extra arguments would be answered.
+    /// The models in the daemon's model directory: name, format (lsm or gguf), architecture,
+    /// quantization, file bytes, and whether it is loaded.
+    // `_header`: zbus checks a call's arguments against the method's only when the method
+    // reads the message; without it, a call with extra arguments would be answered.
     #[zbus(out_args("models"))]
     async fn list_models(
         &self,
@@ -227,6 +152,9 @@ impl Manager {
         .await
     }
 
+    /// Opens a session on a model, loading the model if needed, with room for
+    /// `context_tokens` tokens (0: the daemon's default). Only the calling connection may use
+    /// the returned object.
     #[zbus(out_args("session"))]
     async fn open_session(
         &self,
@@ -245,10 +173,11 @@ impl Manager {
         .await
     }
 
-    /// The budget and how it is used: the caller's own sessions in full, other clients as one
-    /// total unless the caller may see everyone ([`crate::access`]). Replies with one struct
-    /// argument (a 1-tuple: zbus would spread a bare struct's fields over as many arguments,
-    /// unlike the introspected signature).
+    /// The budget and how it is used: the caller's own sessions in full, and other clients as
+    /// one total unless the caller is root, the daemon's user or in the admin group.
+    // Replies with one struct argument (a 1-tuple: zbus would spread a bare struct's fields
+    // over as many arguments, unlike the introspected signature). Redacted by the state owner
+    // (`crate::access`).
     #[zbus(out_args("report"))]
     async fn memory(
         &self,
@@ -259,11 +188,13 @@ impl Manager {
         Ok((report,))
     }
 
+    /// The daemon's version.
     #[zbus(property)]
     fn version(&self) -> String {
         env!("CARGO_PKG_VERSION").to_string()
     }
 
+    /// Where it computes: `cpu` or `cuda`.
     #[zbus(property)]
     fn backend(&self) -> String {
         self.shared.params.backend.name().to_string()
@@ -286,10 +217,12 @@ impl SessionObject {
         &self,
         header: &Header<'_>,
         input: Input,
-        params: &GenerateParams,
+        options: &Options,
     ) -> Result<OwnedFd, LeanStreamError> {
         let (client, _call) = self.shared.enter(header)?;
-        let spec = validate_params(params, &self.shared.params)?;
+        let params =
+            GenerateParams::from_options(options).map_err(LeanStreamError::InvalidArgument)?;
+        let spec = validate_params(&params, &self.shared.params)?;
         let id = self.id;
         ask(&self.shared.tx, |reply| Request::Generate {
             id,
@@ -302,52 +235,93 @@ impl SessionObject {
     }
 }
 
+impl SessionObject {
+    /// The session's model, for the caller that owns the session.
+    async fn model(&self, header: &Header<'_>) -> Result<Arc<LoadedModel>, LeanStreamError> {
+        let (client, _call) = self.shared.enter(header)?;
+        let id = self.id;
+        ask(&self.shared.tx, |reply| Request::Model {
+            id,
+            client,
+            reply,
+        })
+        .await
+    }
+}
+
+/// Runs `work` (tokenising, rendering a template) on a blocking thread, off the async workers.
+async fn off_workers<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, LeanStreamError> + Send + 'static,
+) -> Result<T, LeanStreamError> {
+    (tokio::task::spawn_blocking(work).await)
+        .map_err(|e| LeanStreamError::Internal(e.to_string()))?
+}
+
 #[interface(name = "io.github.leanstream.LeanStream1.Session")]
 impl SessionObject {
+    /// Generates from `prompt` (special tokens written in it are recognised) with `options`
+    /// (an a{sv} dictionary: max_tokens u, temperature d, top_k u, top_p d,
+    /// repetition_penalty d, seed t, stop as, json_schema s or lark s or regex s, priority s,
+    /// first_token_deadline_ms u, deadline_ms u, sentences b). Returns the read end of the token
+    /// stream: one JSON event per line, ending with done or error.
     #[zbus(out_args("stream"))]
     async fn generate(
         &self,
         #[zbus(header)] header: Header<'_>,
         prompt: &str,
-        params: GenerateParams,
+        options: Options,
     ) -> Result<OwnedFd, LeanStreamError> {
         check_prompt(prompt.len(), &self.shared.params)?;
-        self.start(&header, Input::Text(prompt.to_string()), &params)
+        self.start(&header, Input::Text(prompt.to_string()), &options)
             .await
     }
 
+    /// Continues a conversation: `messages` are (role, content) pairs, role system, user,
+    /// assistant or tool, rendered with the model's chat template. Options and stream as
+    /// Generate.
     #[zbus(out_args("stream"))]
     async fn generate_chat(
         &self,
         #[zbus(header)] header: Header<'_>,
         messages: Vec<ChatTurn>,
-        params: GenerateParams,
+        options: Options,
     ) -> Result<OwnedFd, LeanStreamError> {
-        if messages.is_empty() || messages.len() > MAX_TURNS {
-            return Err(LeanStreamError::InvalidArgument(format!(
-                "a chat needs 1..={MAX_TURNS} messages"
-            )));
-        }
-        let total: usize = messages
-            .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .sum();
-        check_prompt(total, &self.shared.params)?;
-        if messages
-            .iter()
-            .any(|m| !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool"))
-        {
-            return Err(LeanStreamError::InvalidArgument(
-                "a message role must be system, user, assistant or tool".into(),
-            ));
-        }
-        let messages = messages
-            .into_iter()
-            .map(|m| ChatMessage::new(m.role, m.content))
-            .collect();
-        self.start(&header, Input::Chat(messages), &params).await
+        let messages = chat_messages(messages, &self.shared.params)?;
+        self.start(&header, Input::Chat(messages), &options).await
     }
 
+    /// The token ids `text` encodes to on the session's model, as `Generate` would encode it
+    /// (special tokens written in it are recognised).
+    #[zbus(out_args("ids"))]
+    async fn tokenize(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        text: &str,
+    ) -> Result<Vec<u32>, LeanStreamError> {
+        check_prompt(text.len(), &self.shared.params)?;
+        let input = Input::Text(text.to_string());
+        let model = self.model(&header).await?;
+        off_workers(move || prompt_ids(&model, input)).await
+    }
+
+    /// The prompt text `GenerateChat` would run for `messages`: the model's chat template
+    /// applied, with the assistant's turn opened.
+    #[zbus(out_args("prompt"))]
+    async fn apply_template(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        messages: Vec<ChatTurn>,
+    ) -> Result<String, LeanStreamError> {
+        let messages = chat_messages(messages, &self.shared.params)?;
+        let model = self.model(&header).await?;
+        off_workers(move || {
+            (model.template.render(&messages, true))
+                .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
+        })
+        .await
+    }
+
+    /// Cancels the session's generation: its stream ends with a Cancelled error.
     async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
         let (client, _call) = self.shared.enter(&header)?;
         let id = self.id;
@@ -359,6 +333,7 @@ impl SessionObject {
         .await
     }
 
+    /// Closes the session and frees its memory.
     async fn close(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
         let (client, _call) = self.shared.enter(&header)?;
         let id = self.id;
@@ -370,6 +345,8 @@ impl SessionObject {
         .await
     }
 
+    /// What the session has done: model, context tokens, position, generations, generated
+    /// tokens, decode passes, draft tokens verified and draft tokens accepted.
     #[zbus(out_args("stats"))]
     async fn stats(
         &self,
@@ -384,54 +361,5 @@ impl SessionObject {
         })
         .await?;
         Ok((stats,))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-    use crate::config::RawConfig;
-
-    fn params() -> Params {
-        let mut raw = RawConfig::default();
-        raw.models.dir = Some(std::env::temp_dir());
-        Params::validate(raw).unwrap()
-    }
-
-    #[test]
-    fn absurd_sampling_settings_are_refused() {
-        let p = params();
-        let ok = GenerateParams::default();
-        assert_eq!(validate_params(&ok, &p).unwrap().max_tokens, p.max_tokens);
-        let cases: [fn(&mut GenerateParams); 12] = [
-            |g| g.priority = "urgent".into(),
-            |g| g.deadline_ms = u32::MAX,
-            |g| g.temperature = f64::NAN,
-            |g| g.temperature = -1.0,
-            |g| g.temperature = 1e9,
-            |g| g.top_p = 0.0,
-            |g| g.top_p = f64::INFINITY,
-            // Positive as an f64, zero as the f32 the sampler uses.
-            |g| g.top_p = 5e-324,
-            |g| g.repetition_penalty = 0.0,
-            |g| g.max_tokens = u32::MAX,
-            |g| g.stop = vec![String::new()],
-            |g| g.top_k = u32::MAX,
-        ];
-        for (i, f) in cases.iter().enumerate() {
-            let mut g = ok.clone();
-            f(&mut g);
-            assert!(
-                matches!(
-                    validate_params(&g, &p),
-                    Err(LeanStreamError::InvalidArgument(_))
-                ),
-                "case {i}"
-            );
-        }
-        assert!(check_prompt(0, &p).is_err());
-        assert!(check_prompt(p.max_prompt_bytes + 1, &p).is_err());
-        assert!(check_prompt(p.max_prompt_bytes, &p).is_ok());
     }
 }

@@ -346,6 +346,11 @@ pub struct DaemonConfig {
     /// The daemon's stderr (its log) goes to a file, read with [`Daemon::log`], instead of the
     /// test's stderr. Default false.
     pub capture_log: bool,
+    /// `[engine] keep_alive`: 0 by default here, so that a model unloads at its last close and
+    /// the tests of the budget see its memory come back (the daemon's own default is 300 s).
+    pub keep_alive: i64,
+    /// More environment for the daemon (e.g. systemd's `NOTIFY_SOCKET`).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for DaemonConfig {
@@ -360,6 +365,8 @@ impl Default for DaemonConfig {
             extra: String::new(),
             precision: "exact",
             capture_log: false,
+            keep_alive: 0,
+            env: Vec::new(),
         }
     }
 }
@@ -414,10 +421,11 @@ impl Daemon {
             &conf,
             format!(
                 "[models]\ndir = \"{}\"\n[memory]\nbudget = \"{}\"\n[engine]\nprecision = \"{}\"\n\
-                 [limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}{}\n",
+                 keep_alive = {}\n[limits]\nmax_sessions = {}\nmax_context = {}\nmax_tokens = {}\nmax_prompt_bytes = {}\n{}{}\n",
                 models.display(),
                 cfg.budget,
                 cfg.precision,
+                cfg.keep_alive,
                 cfg.max_sessions,
                 cfg.max_context,
                 cfg.max_tokens,
@@ -437,6 +445,7 @@ impl Daemon {
             .arg("--config")
             .arg(&conf)
             .env("RUST_LOG", "info")
+            .envs(cfg.env.iter().cloned())
             .env_remove("JOURNAL_STREAM")
             .stdin(Stdio::null())
             .stderr(stderr)
@@ -614,6 +623,8 @@ pub struct Stream {
     pub text: String,
     /// The text of each token event, in order.
     pub tokens: Vec<String>,
+    /// The sentence marks (with the `sentences` option), in order.
+    pub sentences: Vec<String>,
     /// The last event (`done` or `error`), if any.
     pub end: Option<StreamEvent>,
 }
@@ -664,6 +675,12 @@ pub fn parse_stream(text: &str) -> Result<Stream> {
                 s.ids.push(id);
                 s.text.push_str(&text);
                 s.tokens.push(text);
+            }
+            StreamEvent::Sentence { text } => {
+                if s.end.is_some() {
+                    bail!("a sentence after the end of the stream");
+                }
+                s.sentences.push(text);
             }
             end => {
                 if s.end.is_some() {

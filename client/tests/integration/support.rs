@@ -12,6 +12,7 @@
 
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
@@ -23,7 +24,7 @@ use leanstream::contract::{
     StreamStats,
 };
 use zbus::object_server::ObjectServer;
-use zbus::zvariant::{OwnedFd, OwnedObjectPath};
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, OwnedValue};
 
 /// A private bus; killed on drop.
 pub struct TestBus {
@@ -369,8 +370,10 @@ impl MockSession {
     async fn generate(
         &self,
         prompt: &str,
-        params: GenerateParams,
+        options: HashMap<String, OwnedValue>,
     ) -> Result<OwnedFd, LeanStreamError> {
+        let params =
+            GenerateParams::from_options(&options).map_err(LeanStreamError::InvalidArgument)?;
         self.generations.fetch_add(1, Ordering::Relaxed);
         let echo = match params.grammar_kind.as_str() {
             "" => format!("echo: {prompt}"),
@@ -400,8 +403,10 @@ impl MockSession {
     async fn generate_chat(
         &self,
         messages: Vec<ChatTurn>,
-        params: GenerateParams,
+        options: HashMap<String, OwnedValue>,
     ) -> Result<OwnedFd, LeanStreamError> {
+        let params =
+            GenerateParams::from_options(&options).map_err(LeanStreamError::InvalidArgument)?;
         self.generations.fetch_add(1, Ordering::Relaxed);
         let users: Vec<&ChatTurn> = messages.iter().filter(|m| m.role == "user").collect();
         let Some(last) = users.last() else {

@@ -146,7 +146,8 @@ fn keep_alive_is_seconds_zero_or_minus_one_and_preload_is_per_model() {
         (KeepAlive::UntilLastClose, false)
     );
     let p = params("[models]\ndir = \"DIR\"\n").unwrap();
-    assert_eq!(p.model("x").keep_alive, KeepAlive::UntilLastClose);
+    let five_minutes = KeepAlive::Idle(std::time::Duration::from_secs(300));
+    assert_eq!(p.model("x").keep_alive, five_minutes, "the default");
     for bad in [
         "[engine]\nkeep_alive = -2",
         "[models.a]\nkeep_alive = 999999999",

@@ -73,6 +73,8 @@ pub(super) enum Work {
     Cancel {
         id: SessionId,
     },
+    /// Answered by the worker between two passes: it is alive (the watchdog's question).
+    Ping(tokio::sync::oneshot::Sender<()>),
     Shutdown,
 }
 
@@ -195,6 +197,7 @@ impl Admission {
                 Work::Close { id }
             }
             Command::Cancel { id } => Work::Cancel { id },
+            Command::Ping(reply) => Work::Ping(reply),
             Command::Generate {
                 id,
                 input,
@@ -274,7 +277,7 @@ impl Admission {
 /// The token ids of `input` on `model`: a chat is rendered with the model's template, its
 /// messages' text never read as control tokens.
 /// The one place the daemon turns a request's input into ids.
-fn prompt_ids(model: &LoadedModel, input: Input) -> Result<Vec<u32>, LeanStreamError> {
+pub fn prompt_ids(model: &LoadedModel, input: Input) -> Result<Vec<u32>, LeanStreamError> {
     let invalid = |e: leanstream_engine::Error| LeanStreamError::InvalidArgument(e.to_string());
     let tokenizer = &model.model.tokenizer;
     match input {

@@ -10,6 +10,7 @@ use leanstream_engine::constrain::Constraint;
 use leanstream_engine::generate::{Decode, Next, SpeculationStats, Stepper, StopReason};
 use leanstream_engine::tokenizer::Tokenizer;
 
+use super::sentences::Sentences;
 use super::{GenSpec, pipe};
 use crate::arbiter::SessionId;
 
@@ -48,6 +49,8 @@ pub struct Run {
     /// Its capacity, allocated once at the start for the longest pass the speculation asks for,
     /// is part of [`Run::reserved`]; empty without speculation.
     pub rows: Vec<f32>,
+    /// Sentence marks, with the `sentences` option.
+    sentences: Option<Sentences>,
 }
 
 /// Why a step failed: the budget refused the KV cache's growth, or the engine failed.
@@ -94,6 +97,7 @@ impl Run {
             reserved,
             start,
             rows,
+            sentences: spec.sentences.then(Sentences::default),
         }
     }
 
@@ -187,10 +191,14 @@ impl Run {
                 Next::Emit(_) => {
                     let token = self.stepper.emit(Some(tok))?;
                     self.first_token_at.get_or_insert_with(Instant::now);
+                    let pieces = (self.sentences.as_mut()).map(|s| s.push(&token.text));
                     self.queue(&StreamEvent::Token {
                         id: token.id,
                         text: token.text,
                     });
+                    for text in pieces.into_iter().flatten() {
+                        self.queue(&StreamEvent::Sentence { text });
+                    }
                     if token.stop.is_some() {
                         break token.stop;
                     }
@@ -263,6 +271,9 @@ impl Run {
                 .map_or(0.0, SpeculationStats::tokens_per_pass),
             draft_acceptance: st.speculation.as_ref().map_or(0.0, acceptance),
         };
+        if let Some(text) = self.sentences.as_mut().and_then(Sentences::finish) {
+            self.queue(&StreamEvent::Sentence { text });
+        }
         self.queue(&StreamEvent::Done {
             reason: reason.name().into(),
             stats,

@@ -135,6 +135,7 @@ fn spec(max_tokens: usize, priority: Priority) -> GenSpec {
         priority,
         first_token_within: None,
         within: None,
+        sentences: false,
     }
 }
 

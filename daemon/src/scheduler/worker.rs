@@ -195,6 +195,9 @@ impl Worker {
                     let _ = reply.send(Ok(()));
                 }
             }
+            Work::Ping(reply) => {
+                let _ = reply.send(());
+            }
             Work::Shutdown => return true,
         }
         false

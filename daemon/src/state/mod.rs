@@ -216,6 +216,17 @@ impl<P: Port> State<P> {
             Request::Stats { id, client, reply } => {
                 let _ = reply.send(self.stats(id, &client));
             }
+            Request::Model { id, client, reply } => {
+                let _ = reply.send(self.session_model(id, &client));
+            }
+            Request::Ping { reply } => {
+                let (alive, answer) = oneshot::channel();
+                let _ = self.engine.send(Command::Ping(alive));
+                tokio::spawn(async move {
+                    let stopped = || LeanStreamError::Internal("the scheduler has stopped".into());
+                    let _ = reply.send(answer.await.map_err(|_| stopped()));
+                });
+            }
             Request::Shutdown { .. } => unreachable!("handled in run"),
         }
     }

@@ -73,6 +73,8 @@ pub(super) struct ModelEntry {
     pub reserved: bool,
     /// When its last session closed, while it waits out its `keep_alive`.
     pub idle_since: Option<std::time::Instant>,
+    /// When its load started.
+    pub asked: std::time::Instant,
 }
 
 impl ModelEntry {
@@ -187,6 +189,7 @@ impl<P: Port> State<P> {
             holds,
             reserved: false,
             idle_since: None,
+            asked: std::time::Instant::now(),
         };
         self.models.insert(name.clone(), entry);
         let tx = self.internal.clone();
@@ -290,7 +293,8 @@ impl<P: Port> State<P> {
         };
         match result {
             Ok(model) => {
-                tracing::info!("model {name} loaded");
+                let took = entry.asked.elapsed().as_secs_f64();
+                tracing::info!("model {name} loaded in {took:.2} s");
                 entry.slot = Slot::Ready(Arc::clone(&model));
                 self.publish_loaded();
                 // Loaded with its floor: now its cache grows to what the ledger grants.

@@ -13,6 +13,8 @@ use crate::arbiter::ModelUsage;
 
 /// How a model being dropped is shown: its mode until its memory is free.
 const UNLOADING: &str = "unloading";
+/// How a model is shown from its reservation until it is ready.
+const LOADING: &str = "loading";
 
 impl<P: Port> State<P> {
     /// The report as `client` may see it: everything for an administrator, else its own
@@ -84,7 +86,12 @@ impl<P: Port> State<P> {
     fn model_memory(&self, m: &ModelUsage) -> ModelMemory {
         let model = self.models.get(&m.name).and_then(|e| e.ready());
         let plan = model.and_then(|model| model.model.plan());
+        let loading = self
+            .models
+            .get(&m.name)
+            .is_some_and(|e| e.ready().is_none());
         let mode = match plan {
+            _ if loading => LOADING.into(),
             Some(p) if p.is_sparse() => "dense+neuron".into(),
             // Params never change, so this is the mode the model was loaded in.
             _ => self.params.model(&m.name).mode.name().into(),

@@ -239,6 +239,17 @@ impl<P: Port> State<P> {
         })
     }
 
+    /// The model session `id` runs on, if `client` owns the session.
+    pub(super) fn session_model(
+        &self,
+        id: SessionId,
+        client: &str,
+    ) -> Result<Arc<LoadedModel>, LeanStreamError> {
+        let s = self.owned(id, client)?;
+        (self.models.get(&s.model).and_then(|m| m.ready()).cloned())
+            .ok_or_else(|| LeanStreamError::Internal(format!("model {} is not loaded", s.model)))
+    }
+
     /// The scheduler reports a generation's end.
     pub(super) fn finished(
         &mut self,

@@ -9,11 +9,13 @@ use std::path::Path;
 use leanstream_e2e::{Bus, Daemon, DaemonConfig};
 
 mod budget;
+mod contract;
 mod daemon;
 mod hostile;
 mod hostile_load;
 mod hostile_users;
 mod lifetime;
+mod notify;
 mod privacy;
 mod soak;
 mod streaming;

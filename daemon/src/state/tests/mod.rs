@@ -77,9 +77,15 @@ struct Daemon {
 }
 
 impl Daemon {
-    /// Starts over `fixture` with the configuration `toml` (besides the model directory).
+    /// Starts over `fixture` with the configuration `toml` (besides the model directory). A
+    /// model unloads at its last close unless `toml` has an `[engine]` table of its own, so
+    /// that the tests see its memory come back.
     fn start(fixture: Fixture, toml: &str) -> Daemon {
-        let params = Arc::new(fixture.params(toml));
+        let toml = match toml.contains("[engine]") {
+            true => toml.to_string(),
+            false => format!("[engine]\nkeep_alive = 0\n{toml}"),
+        };
+        let params = Arc::new(fixture.params(&toml));
         let (events_tx, events) = mpsc::unbounded_channel();
         let (internal_tx, internal) = mpsc::unbounded_channel();
         let (departures, departures_rx) = mpsc::unbounded_channel();
@@ -186,6 +192,7 @@ impl Daemon {
             priority,
             first_token_within: None,
             within: None,
+            sentences: false,
         };
         let input = Input::Text("the cat sat on the".into());
         ask(&self.requests, |reply| Request::Generate {

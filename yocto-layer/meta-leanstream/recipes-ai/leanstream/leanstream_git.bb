@@ -61,6 +61,7 @@ FILES:${PN}-cli += "${bindir}/leanstream"
 FILES:${PN} += "\
     ${datadir}/dbus-1/system.d/io.github.leanstream.LeanStream1.conf \
     ${datadir}/dbus-1/system-services/io.github.leanstream.LeanStream1.service \
+    ${datadir}/dbus-1/interfaces/io.github.leanstream.LeanStream1.xml \
     ${nonarch_libdir}/sysusers.d/leanstream.conf \
     ${nonarch_libdir}/tmpfiles.d/leanstream.conf \
     ${datadir}/leanstream/models \
