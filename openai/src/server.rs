@@ -21,11 +21,6 @@ pub const DRAIN: Duration = Duration::from_secs(10);
 /// wake-up per token, no work stealing between idle workers). Connecting as another user runs
 /// on threads of its own (`identity`).
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    if std::env::var_os("LEANSTREAM_OPENAI_MULTI").is_some() {
-        return tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build();
-    }
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
