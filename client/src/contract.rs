@@ -401,8 +401,8 @@ pub enum StreamEvent {
     /// A generated token and the text it completed (may be empty while a UTF-8 character is split).
     Token { id: u32, text: String },
     /// With the `sentences` option: the text since the previous mark, sent right after the token
-    /// that ends a sentence or a phrase (`.`, `!`, `?`, `;`, `:` or a newline, followed by
-    /// whitespace), and with the rest before `done`.
+    /// that ends a sentence or a phrase (`.`, `!`, `?`, `;`, `:` or `…` followed by whitespace,
+    /// or a newline), and with the rest before `done`.
     Sentence { text: String },
     /// The generation ended normally; `reason` is `eos`, `max_tokens`, `stop_string` or `context_full`.
     Done { reason: String, stats: StreamStats },

@@ -1,11 +1,11 @@
 //! Sentence and phrase marks for speech (the `sentences` option): text-to-speech engines want
 //! whole sentences, and every app would otherwise write its own splitter. A piece ends after
-//! `.`, `!`, `?`, `;` or `:` (and any closing quotes or brackets) once whitespace follows, and
+//! `.`, `!`, `?`, `;`, `:` or `…` (and any closing quotes or brackets) once whitespace follows, and
 //! at every newline; `3.14` or `e.g.x` do not end one. Pieces are trimmed, and empty ones are
 //! not sent.
 
 /// Characters that end a sentence or a phrase when whitespace follows.
-const ENDS: [char; 5] = ['.', '!', '?', ';', ':'];
+const ENDS: [char; 6] = ['.', '!', '?', ';', ':', '…'];
 /// Characters that may close a sentence after its end mark: `."` or `!)`.
 const CLOSERS: [char; 5] = ['"', '\'', ')', ']', '\u{201d}'];
 
