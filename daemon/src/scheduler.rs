@@ -135,6 +135,23 @@ pub struct GenSpec {
     pub sentences: bool,
 }
 
+#[cfg(test)]
+impl GenSpec {
+    /// A greedy generation of `max_tokens` tokens in class `priority`, without deadlines.
+    pub fn greedy(max_tokens: usize, priority: Priority) -> GenSpec {
+        GenSpec {
+            max_tokens,
+            sampler: leanstream_engine::sample::SamplerConfig::default(),
+            stop: Vec::new(),
+            grammar: None,
+            priority,
+            first_token_within: None,
+            within: None,
+            sentences: false,
+        }
+    }
+}
+
 /// Commands to the scheduler, taken in the order they are sent.
 #[derive(Debug)]
 pub enum Command {

@@ -127,16 +127,7 @@ fn open_as(
 
 /// A greedy generation of `max_tokens` tokens in class `priority`, without deadlines.
 fn spec(max_tokens: usize, priority: Priority) -> GenSpec {
-    GenSpec {
-        max_tokens,
-        sampler: SamplerConfig::default(),
-        stop: Vec::new(),
-        grammar: None,
-        priority,
-        first_token_within: None,
-        within: None,
-        sentences: false,
-    }
+    GenSpec::greedy(max_tokens, priority)
 }
 
 /// Sends a `Generate` command to `inbox` without waiting for the scheduler to take it; returns

@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use leanstream::contract::{LeanStreamError, MemoryReport, Priority, StreamEvent};
-use leanstream_engine::sample::SamplerConfig;
 use tokio::sync::mpsc;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
@@ -184,16 +183,7 @@ impl Daemon {
         priority: Priority,
     ) -> Result<OwnedFd, LeanStreamError> {
         let client = client.to_string();
-        let spec = GenSpec {
-            max_tokens,
-            sampler: SamplerConfig::default(),
-            stop: Vec::new(),
-            grammar: None,
-            priority,
-            first_token_within: None,
-            within: None,
-            sentences: false,
-        };
+        let spec = GenSpec::greedy(max_tokens, priority);
         let input = Input::Text("the cat sat on the".into());
         ask(&self.requests, |reply| Request::Generate {
             id,
