@@ -69,6 +69,10 @@ impl Client {
         self.rt.block_on(self.inner.memory())
     }
 
+    pub fn counters(&self) -> Result<std::collections::HashMap<String, u64>> {
+        self.rt.block_on(self.inner.counters())
+    }
+
     pub fn version(&self) -> Result<String> {
         self.rt.block_on(self.inner.version())
     }

@@ -1,5 +1,7 @@
 //! The async client: [`Client`] over the Manager interface, [`SessionHandle`] over one Session.
 
+use std::collections::HashMap;
+
 use zbus::proxy::CacheProperties;
 use zbus::zvariant::{ObjectPath, OwnedObjectPath};
 
@@ -74,6 +76,11 @@ impl Client {
     /// The memory budget and how models, sessions and clients use it.
     pub async fn memory(&self) -> Result<MemoryReport> {
         Ok(self.manager.memory().await?)
+    }
+
+    /// Counters for operators since the daemon started, by name (docs/clients.md lists them).
+    pub async fn counters(&self) -> Result<HashMap<String, u64>> {
+        Ok(self.manager.counters().await?)
     }
 
     /// The daemon's version.

@@ -431,6 +431,9 @@ pub trait Manager {
     fn open_session(&self, model: &str, context_tokens: u32) -> zbus::Result<OwnedObjectPath>;
     /// The memory budget and how it is used.
     fn memory(&self) -> zbus::Result<MemoryReport>;
+    /// Counters for operators since the daemon started, by name (`requests.Generate`,
+    /// `refusals.Busy`, `tokens.generated`, `ttft_us.interactive.sum`, `model_load_ms.NAME`, …).
+    fn counters(&self) -> zbus::Result<std::collections::HashMap<String, u64>>;
     #[zbus(property)]
     fn version(&self) -> zbus::Result<String>;
     /// `cpu` or `cuda`.

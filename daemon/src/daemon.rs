@@ -19,6 +19,7 @@ use zbus::fdo::{RequestNameFlags, RequestNameReply};
 use crate::calls::Calls;
 use crate::catalog::Catalog;
 use crate::config::Params;
+use crate::counters::Counters;
 use crate::directory;
 use crate::request::{Request, ask};
 use crate::scheduler::{Scheduler, SessionBudget};
@@ -108,10 +109,12 @@ pub async fn run(
     let (loaded_tx, loaded_rx) = tokio::sync::watch::channel(Default::default());
     let budget = || -> Box<dyn SessionBudget> { Box::new(Budget(internal_tx.clone())) };
     let engine = Scheduler::start(events_tx, budget).context("starting the scheduler's threads")?;
+    let counters = Counters::default();
     let shared = Shared {
         tx: tx.clone(),
         params: Arc::clone(&params),
         calls: Calls::default(),
+        counters: counters.clone(),
     };
     let manager = Manager {
         shared: shared.clone(),
@@ -133,6 +136,7 @@ pub async fn run(
         internal_tx,
         engine.tx.clone(),
         loaded_tx,
+        counters,
     );
     let inbox = Inbox {
         events: events_rx,

@@ -14,6 +14,7 @@ mod calls;
 mod catalog;
 mod checks;
 mod config;
+mod counters;
 mod daemon;
 mod directory;
 #[cfg(feature = "cuda")]

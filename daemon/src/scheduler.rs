@@ -186,14 +186,13 @@ pub enum Command {
 /// Reports from the scheduler's threads to the state owner.
 #[derive(Debug)]
 pub enum Report {
-    /// A `Generate` command is over (`accepted` false: it was refused up front, and `position`
-    /// is where the session stands after the refusal).
+    /// A `Generate` command is over: `position` is where the session stands now (after a
+    /// refusal too).
     Finished {
         id: SessionId,
-        accepted: bool,
-        generated: u64,
         position: u32,
-        passes: DecodePasses,
+        /// How it went; `None` when it was refused up front.
+        outcome: Option<Outcome>,
     },
     /// A closed session has been dropped: its memory is handed back.
     Dropped { id: SessionId },
@@ -206,6 +205,23 @@ pub struct DecodePasses {
     pub passes: u64,
     pub drafted: u64,
     pub accepted: u64,
+}
+
+/// How an admitted generation went, for its session's statistics and the daemon's counters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    pub priority: Priority,
+    /// Tokens of the whole prompt, and of them those whose keys and values were already in
+    /// memory (not computed).
+    pub prompt_tokens: u64,
+    pub cached_prompt_tokens: u64,
+    pub generated: u64,
+    pub passes: DecodePasses,
+    /// From the request's arrival to its first token; `None` when no token came.
+    pub first_token_after: Option<Duration>,
+    /// How it ended: a stop reason (`eos`, `max_tokens`, `stop_string`, `context_full`), an
+    /// error name (`Cancelled`, `OverBudget`, …), or `stream_closed` (the reader closed its end).
+    pub end: String,
 }
 
 impl DecodePasses {
@@ -356,10 +372,8 @@ fn refuse(
 ) {
     let _ = reports.send(Report::Finished {
         id,
-        accepted: false,
-        generated: 0,
         position,
-        passes: DecodePasses::default(),
+        outcome: None,
     });
     let _ = reply.send(Err(error));
 }

@@ -1,6 +1,7 @@
-//! The D-Bus objects: thin. Each method enters the caller's bound on calls in flight
-//! ([`crate::calls`]), validates its input, sends a [`Request`] to the state owner and awaits the
-//! reply (`ListModels` is answered by the [`Catalog`] instead). The caller's identity is the
+//! The D-Bus objects: thin. Each method is served through [`Shared::serve`], which enters the
+//! caller's bound on calls in flight ([`crate::calls`]) and counts the call and its refusal
+//! ([`Counters`]); it validates its input, sends a [`Request`] to the state owner and awaits the
+//! reply (`ListModels` is answered by the [`Catalog`] instead, `Counters` by the counters). The caller's identity is the
 //! sender's unique name from the message header (set by the bus, so it cannot be forged).
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use crate::calls::{Calls, InFlight};
 use crate::catalog::Catalog;
 use crate::checks::{chat_messages, check_prompt, validate_params};
 use crate::config::{KeepAlive, Params};
+use crate::counters::Counters;
 use crate::models::{self, ModelFile};
 use crate::request::{Request, ask};
 use crate::scheduler::{Input, LoadedModel, prompt_ids};
@@ -31,13 +33,14 @@ fn caller(header: &Header<'_>) -> Result<String, LeanStreamError> {
         .ok_or_else(|| LeanStreamError::AccessDenied("the call has no sender".into()))
 }
 
-/// What every D-Bus object of the daemon holds: the way to the state owner, the settings and
-/// the bound on calls in flight.
+/// What every D-Bus object of the daemon holds: the way to the state owner, the settings, the
+/// bound on calls in flight and the operators' counters.
 #[derive(Clone, Debug)]
 pub struct Shared {
     pub tx: mpsc::Sender<Request>,
     pub params: Arc<Params>,
     pub calls: Calls,
+    pub counters: Counters,
 }
 
 impl Shared {
@@ -46,6 +49,26 @@ impl Shared {
         let client = caller(header)?;
         let call = self.calls.enter(&client)?;
         Ok((client, call))
+    }
+
+    /// Serves one call: `work(caller)` runs once the call has entered the caller's bound on
+    /// calls in flight, and stays in it until done; the call, and its error if any, is counted
+    /// under the method's name.
+    async fn serve<T, F>(
+        &self,
+        header: &Header<'_>,
+        work: impl FnOnce(String) -> F,
+    ) -> Result<T, LeanStreamError>
+    where
+        F: Future<Output = Result<T, LeanStreamError>>,
+    {
+        let result = match self.enter(header) {
+            Ok((client, _call)) => work(client).await,
+            Err(e) => Err(e),
+        };
+        let method = header.member().map_or("", |m| m.as_str());
+        self.counters.call(method, result.as_ref().err());
+        result
     }
 }
 
@@ -80,8 +103,7 @@ impl Manager {
         &self,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<Vec<ModelInfo>, LeanStreamError> {
-        let _call = self.shared.enter(&header)?;
-        self.catalog.list().await
+        self.shared.serve(&header, |_| self.catalog.list()).await
     }
 
     /// Loads a model and pins it for the caller's user: it stays loaded until that user (or an
@@ -91,15 +113,18 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         name: &str,
     ) -> Result<(), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let file = resolve(&self.shared.params, name).await?;
-        ask(&self.shared.tx, |reply| Request::LoadModel {
-            file,
-            client,
-            keep_alive: KeepAlive::Forever,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let file = resolve(&self.shared.params, name).await?;
+                ask(&self.shared.tx, |reply| Request::LoadModel {
+                    file,
+                    client,
+                    keep_alive: KeepAlive::Forever,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// Loads a model with a lifetime instead of a pin: it stays loaded while it has sessions
@@ -111,26 +136,29 @@ impl Manager {
         name: &str,
         keep_alive_seconds: i64,
     ) -> Result<(), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let keep_alive = match KeepAlive::from_seconds(keep_alive_seconds) {
-            Ok(KeepAlive::UntilLastClose) => {
-                return Err(LeanStreamError::InvalidArgument(
-                    "keep_alive_seconds 0 would unload the model at once: \
-                     open a session instead"
-                        .into(),
-                ));
-            }
-            Ok(k) => k,
-            Err(reason) => return Err(LeanStreamError::InvalidArgument(reason)),
-        };
-        let file = resolve(&self.shared.params, name).await?;
-        ask(&self.shared.tx, |reply| Request::LoadModel {
-            file,
-            client,
-            keep_alive,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let keep_alive = match KeepAlive::from_seconds(keep_alive_seconds) {
+                    Ok(KeepAlive::UntilLastClose) => {
+                        return Err(LeanStreamError::InvalidArgument(
+                            "keep_alive_seconds 0 would unload the model at once: \
+                             open a session instead"
+                                .into(),
+                        ));
+                    }
+                    Ok(k) => k,
+                    Err(reason) => return Err(LeanStreamError::InvalidArgument(reason)),
+                };
+                let file = resolve(&self.shared.params, name).await?;
+                ask(&self.shared.tx, |reply| Request::LoadModel {
+                    file,
+                    client,
+                    keep_alive,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// Gives up the caller's user's hold on a model (its pin or lifetime) and unloads it when
@@ -141,15 +169,18 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         name: &str,
     ) -> Result<(), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        models::check_name(name)?;
-        let name = name.to_string();
-        ask(&self.shared.tx, |reply| Request::UnloadModel {
-            name,
-            client,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                models::check_name(name)?;
+                let name = name.to_string();
+                ask(&self.shared.tx, |reply| Request::UnloadModel {
+                    name,
+                    client,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// Opens a session on a model, loading the model if needed, with room for
@@ -162,15 +193,18 @@ impl Manager {
         model: &str,
         context_tokens: u32,
     ) -> Result<OwnedObjectPath, LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let file = resolve(&self.shared.params, model).await?;
-        ask(&self.shared.tx, |reply| Request::OpenSession {
-            file,
-            context: context_tokens,
-            client,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let file = resolve(&self.shared.params, model).await?;
+                ask(&self.shared.tx, |reply| Request::OpenSession {
+                    file,
+                    context: context_tokens,
+                    client,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// The budget and how it is used: the caller's own sessions in full, and other clients as
@@ -183,9 +217,26 @@ impl Manager {
         &self,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(MemoryReport,), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let report = ask(&self.shared.tx, |reply| Request::Memory { client, reply }).await?;
-        Ok((report,))
+        self.shared
+            .serve(&header, async |client| {
+                let report =
+                    ask(&self.shared.tx, |reply| Request::Memory { client, reply }).await?;
+                Ok((report,))
+            })
+            .await
+    }
+
+    /// Counters for operators since the daemon started, by name: calls per method, refusals per
+    /// error, generations per class and how they ended, prompt and generated tokens, time to
+    /// first token per class, model loads and their durations (`leanstreamd` docs list them).
+    #[zbus(out_args("counters"))]
+    async fn counters(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<HashMap<String, u64>, LeanStreamError> {
+        self.shared
+            .serve(&header, async |_| Ok(self.shared.counters.snapshot()))
+            .await
     }
 
     /// The daemon's version.
@@ -213,13 +264,13 @@ impl SessionObject {
         SessionObject { id, shared }
     }
 
+    /// Starts a generation of `input` for `client` with `options`.
     async fn start(
         &self,
-        header: &Header<'_>,
+        client: String,
         input: Input,
         options: &Options,
     ) -> Result<OwnedFd, LeanStreamError> {
-        let (client, _call) = self.shared.enter(header)?;
         let params =
             GenerateParams::from_options(options).map_err(LeanStreamError::InvalidArgument)?;
         let spec = validate_params(&params, &self.shared.params)?;
@@ -233,12 +284,9 @@ impl SessionObject {
         })
         .await
     }
-}
 
-impl SessionObject {
-    /// The session's model, for the caller that owns the session.
-    async fn model(&self, header: &Header<'_>) -> Result<Arc<LoadedModel>, LeanStreamError> {
-        let (client, _call) = self.shared.enter(header)?;
+    /// The session's model, for `client` if it owns the session.
+    async fn model(&self, client: String) -> Result<Arc<LoadedModel>, LeanStreamError> {
         let id = self.id;
         ask(&self.shared.tx, |reply| Request::Model {
             id,
@@ -271,8 +319,11 @@ impl SessionObject {
         prompt: &str,
         options: Options,
     ) -> Result<OwnedFd, LeanStreamError> {
-        check_prompt(prompt.len(), &self.shared.params)?;
-        self.start(&header, Input::Text(prompt.to_string()), &options)
+        self.shared
+            .serve(&header, async |client| {
+                check_prompt(prompt.len(), &self.shared.params)?;
+                (self.start(client, Input::Text(prompt.to_string()), &options)).await
+            })
             .await
     }
 
@@ -286,8 +337,12 @@ impl SessionObject {
         messages: Vec<ChatTurn>,
         options: Options,
     ) -> Result<OwnedFd, LeanStreamError> {
-        let messages = chat_messages(messages, &self.shared.params)?;
-        self.start(&header, Input::Chat(messages), &options).await
+        self.shared
+            .serve(&header, async |client| {
+                let messages = chat_messages(messages, &self.shared.params)?;
+                self.start(client, Input::Chat(messages), &options).await
+            })
+            .await
     }
 
     /// The token ids `text` encodes to on the session's model, as `Generate` would encode it
@@ -298,10 +353,14 @@ impl SessionObject {
         #[zbus(header)] header: Header<'_>,
         text: &str,
     ) -> Result<Vec<u32>, LeanStreamError> {
-        check_prompt(text.len(), &self.shared.params)?;
-        let input = Input::Text(text.to_string());
-        let model = self.model(&header).await?;
-        off_workers(move || prompt_ids(&model, input)).await
+        self.shared
+            .serve(&header, async |client| {
+                check_prompt(text.len(), &self.shared.params)?;
+                let input = Input::Text(text.to_string());
+                let model = self.model(client).await?;
+                off_workers(move || prompt_ids(&model, input)).await
+            })
+            .await
     }
 
     /// The prompt text `GenerateChat` would run for `messages`: the model's chat template
@@ -312,37 +371,47 @@ impl SessionObject {
         #[zbus(header)] header: Header<'_>,
         messages: Vec<ChatTurn>,
     ) -> Result<String, LeanStreamError> {
-        let messages = chat_messages(messages, &self.shared.params)?;
-        let model = self.model(&header).await?;
-        off_workers(move || {
-            (model.template.render(&messages, true))
-                .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let messages = chat_messages(messages, &self.shared.params)?;
+                let model = self.model(client).await?;
+                off_workers(move || {
+                    (model.template.render(&messages, true))
+                        .map_err(|e| LeanStreamError::InvalidArgument(e.to_string()))
+                })
+                .await
+            })
+            .await
     }
 
     /// Cancels the session's generation: its stream ends with a Cancelled error.
     async fn cancel(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let id = self.id;
-        ask(&self.shared.tx, |reply| Request::Cancel {
-            id,
-            client,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let id = self.id;
+                ask(&self.shared.tx, |reply| Request::Cancel {
+                    id,
+                    client,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// Closes the session and frees its memory.
     async fn close(&self, #[zbus(header)] header: Header<'_>) -> Result<(), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let id = self.id;
-        ask(&self.shared.tx, |reply| Request::Close {
-            id,
-            client,
-            reply,
-        })
-        .await
+        self.shared
+            .serve(&header, async |client| {
+                let id = self.id;
+                ask(&self.shared.tx, |reply| Request::Close {
+                    id,
+                    client,
+                    reply,
+                })
+                .await
+            })
+            .await
     }
 
     /// What the session has done: model, context tokens, position, generations, generated
@@ -352,14 +421,17 @@ impl SessionObject {
         &self,
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(SessionStats,), LeanStreamError> {
-        let (client, _call) = self.shared.enter(&header)?;
-        let id = self.id;
-        let stats = ask(&self.shared.tx, |reply| Request::Stats {
-            id,
-            client,
-            reply,
-        })
-        .await?;
-        Ok((stats,))
+        self.shared
+            .serve(&header, async |client| {
+                let id = self.id;
+                let stats = ask(&self.shared.tx, |reply| Request::Stats {
+                    id,
+                    client,
+                    reply,
+                })
+                .await?;
+                Ok((stats,))
+            })
+            .await
     }
 }

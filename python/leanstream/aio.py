@@ -229,6 +229,11 @@ class Client:
         """See :meth:`leanstream.Client.memory`."""
         return _wire.parse_memory(await self._call(self._manager, "Memory"))
 
+    async def counters(self) -> Dict[str, int]:
+        """See :meth:`leanstream.Client.counters`."""
+        (counters,) = await self._call(self._manager, "Counters")
+        return dict(counters)
+
     async def version(self) -> str:
         """The daemon's version."""
         ((_sig, value),) = await self._send(Properties(self._manager).get("Version"))

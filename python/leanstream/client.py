@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import IO, Any, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from jeepney import DBusAddress, Properties, new_method_call
 from jeepney.io.blocking import open_dbus_connection
@@ -110,6 +110,13 @@ class Client:
     def memory(self) -> MemoryReport:
         """The daemon's memory report: budget, use, loaded models, this client's sessions."""
         return _wire.parse_memory(self._call(self._manager, "Memory"))
+
+    def counters(self) -> Dict[str, int]:
+        """Counters for operators since the daemon started, by name: ``requests.Generate``,
+        ``refusals.Busy``, ``tokens.generated``, ``ttft_us.interactive.sum``,
+        ``model_load_ms.<model>``, … (docs/clients.md lists them)."""
+        (counters,) = self._call(self._manager, "Counters")
+        return dict(counters)
 
     def version(self) -> str:
         """The daemon's version (property ``Version``)."""

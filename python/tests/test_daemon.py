@@ -242,6 +242,28 @@ def test_memory_figures_are_plausible(client, model):
         assert mine and mine[0].sessions == 1
 
 
+def test_counters_count_calls_refusals_and_tokens(client, model):
+    before = client.counters()
+    gen = client.generate(model, "Hello", max_tokens=3)
+    "".join(gen)
+    with pytest.raises(leanstream.ModelNotFound):
+        client.session("no-such-model")
+    # The generation's end reaches the counters just after its stream's last event.
+    deadline = time.monotonic() + 10
+    while True:
+        after = client.counters()
+        grew = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
+        if grew("tokens.generated") > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert grew("tokens.generated") == gen.done.stats["generated_tokens"]
+    assert grew("requests.Generate") == 1
+    assert grew("requests.OpenSession") == 2
+    assert grew("refusals.ModelNotFound") == 1
+    assert after[f"model_load_ms.{model}"] >= 0 and after[f"model_loads.{model}"] >= 1
+    assert after["uptime_seconds"] >= 0
+
+
 def test_load_and_unload(client, model):
     client.load(model)
     assert {m.name: m.loaded for m in client.models()}[model]

@@ -1,5 +1,5 @@
 //! The commands that talk to `leanstreamd` over D-Bus (`models`, `load`, `unload`, `generate`,
-//! `chat`, `status`), and how their errors are reported.
+//! `chat`, `status`, `counters`), and how their errors are reported.
 
 use std::process::ExitCode;
 
@@ -48,6 +48,13 @@ pub enum DaemonCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Show the daemon's counters: calls and refusals, generations and tokens, time to first
+    /// token per class, model loads.
+    Counters {
+        /// Print the counters as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs one daemon command on `bus` and turns its outcome into an exit status, printing errors.
@@ -87,6 +94,7 @@ async fn dispatch(bus: &Bus, command: DaemonCommand) -> anyhow::Result<()> {
         DaemonCommand::Generate(args) => generate::generate(&client, args).await,
         DaemonCommand::Chat(args) => generate::chat(&client, args).await,
         DaemonCommand::Status { json } => status::status(&client, json).await,
+        DaemonCommand::Counters { json } => status::counters(&client, json).await,
     }
 }
 

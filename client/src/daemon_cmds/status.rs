@@ -1,14 +1,17 @@
 //! `leanstream status` and `leanstream models`: what the daemon holds, as tables or JSON.
 
+use std::collections::{BTreeMap, HashMap};
+
 use leanstream::Client;
 use leanstream::contract::{MemoryReport, ModelInfo, ModelParts};
 
 use crate::table::{Align, bytes, render};
 
-/// The memory report as text: the budget line, then one table each for models, loaded models by
-/// placement (weights resident, streamed whole through the ring, streamed by neuron) and part,
-/// sessions and clients (a table with no rows says `(none)`).
-pub fn format_status(report: &MemoryReport) -> String {
+/// The memory report as text: the budget line, then one table each for models (with how long
+/// each took to load, from `counters`), loaded models by placement (weights resident, streamed
+/// whole through the ring, streamed by neuron) and part, sessions and clients (a table with no
+/// rows says `(none)`).
+pub fn format_status(report: &MemoryReport, counters: &HashMap<String, u64>) -> String {
     let percent = if report.budget_bytes == 0 {
         0.0
     } else {
@@ -45,6 +48,7 @@ pub fn format_status(report: &MemoryReport) -> String {
             ("READ/TOKEN", Align::Right),
             ("IDLE", Align::Right),
             ("UNLOADS IN", Align::Right),
+            ("LOADED IN", Align::Right),
         ],
         report
             .models
@@ -64,6 +68,10 @@ pub fn format_status(report: &MemoryReport) -> String {
                         "-".to_string()
                     } else {
                         format!("{}s", m.unload_in_seconds)
+                    },
+                    match counters.get(&format!("model_load_ms.{}", m.name)) {
+                        Some(ms) => format!("{:.2}s", *ms as f64 / 1000.0),
+                        None => "-".to_string(),
                     },
                 ]
             })
@@ -166,12 +174,48 @@ pub fn format_models(models: &[ModelInfo]) -> String {
     )
 }
 
+/// The counters as a table, by name, with the mean time to first token of each class after
+/// its counters.
+pub fn format_counters(counters: &HashMap<String, u64>) -> String {
+    let sorted: BTreeMap<&String, &u64> = counters.iter().collect();
+    let mut rows = Vec::new();
+    for (name, value) in sorted {
+        rows.push(vec![name.clone(), value.to_string()]);
+        if let Some(class) = name
+            .strip_prefix("ttft_us.")
+            .and_then(|n| n.strip_suffix(".sum"))
+        {
+            let count = counters.get(&format!("ttft_us.{class}.count"));
+            if let Some(&count) = count.filter(|c| **c > 0) {
+                let mean_ms = *value as f64 / count as f64 / 1000.0;
+                rows.push(vec![
+                    format!("(ttft {class} mean)"),
+                    format!("{mean_ms:.1} ms"),
+                ]);
+            }
+        }
+    }
+    render(&[("COUNTER", Align::Left), ("VALUE", Align::Right)], &rows)
+}
+
 pub async fn status(client: &Client, json: bool) -> anyhow::Result<()> {
     let report = client.memory().await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", format_status(&report));
+        let counters = client.counters().await?;
+        print!("{}", format_status(&report, &counters));
+    }
+    Ok(())
+}
+
+pub async fn counters(client: &Client, json: bool) -> anyhow::Result<()> {
+    let counters = client.counters().await?;
+    if json {
+        let sorted: BTreeMap<_, _> = counters.iter().collect();
+        println!("{}", serde_json::to_string_pretty(&sorted)?);
+    } else {
+        print!("{}", format_counters(&counters));
     }
     Ok(())
 }
@@ -277,9 +321,9 @@ mod tests {
 budget 512.0 MiB, used 200.0 MiB (39.1 %), free 312.0 MiB; process resident 221.0 MiB
 
 models
-MODEL          MODE           RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN  IDLE  UNLOADS IN
-smollm2        leanstream    100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -
-smollm2-small  dense+neuron   30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s
+MODEL          MODE           RESIDENT     CACHE    FLOOR    WANTED      TOTAL  READ/TOKEN  IDLE  UNLOADS IN  LOADED IN
+smollm2        leanstream    100.0 MiB  60.0 MiB  2.0 MiB  80.0 MiB  160.0 MiB         0 B    0s           -      1.23s
+smollm2-small  dense+neuron   30.0 MiB       0 B      0 B       0 B   30.0 MiB    21.0 MiB   12s        288s          -
 
 loaded models by placement and part
 MODEL           WEIGHTS  STREAMED WHOLE  STREAMED SPARSE  TOKENIZER     TABLES     RING
@@ -296,7 +340,27 @@ CLIENT  SESSIONS    MEMORY
 :1.42          1  30.0 MiB
 :1.7           1  10.0 MiB
 ";
-        assert_eq!(format_status(&report()), expected);
+        let counters = HashMap::from([("model_load_ms.smollm2".to_string(), 1234)]);
+        assert_eq!(format_status(&report(), &counters), expected);
+    }
+
+    #[test]
+    fn counters_are_sorted_with_the_mean_time_to_first_token() {
+        let counters = HashMap::from([
+            ("tokens.generated".to_string(), 42),
+            ("ttft_us.interactive.count".to_string(), 4),
+            ("ttft_us.interactive.sum".to_string(), 100_000),
+            ("refusals.Busy".to_string(), 1),
+        ]);
+        let expected = "\
+COUNTER                      VALUE
+refusals.Busy                    1
+tokens.generated                42
+ttft_us.interactive.count        4
+ttft_us.interactive.sum     100000
+(ttft interactive mean)    25.0 ms
+";
+        assert_eq!(format_counters(&counters), expected);
     }
 
     #[test]
@@ -309,7 +373,7 @@ CLIENT  SESSIONS    MEMORY
             sessions: vec![],
             clients: vec![],
         };
-        let text = format_status(&empty);
+        let text = format_status(&empty, &HashMap::new());
         assert!(
             text.starts_with("budget 0 B, used 0 B (0.0 %), free 0 B; process resident 0 B\n"),
             "{text}"

@@ -11,7 +11,7 @@ use leanstream_engine::generate::{Decode, Next, SpeculationStats, Stepper, StopR
 use leanstream_engine::tokenizer::Tokenizer;
 
 use super::sentences::Sentences;
-use super::{GenSpec, pipe};
+use super::{DecodePasses, GenSpec, Outcome, pipe};
 use crate::arbiter::SessionId;
 
 /// A generation in flight (see the module docs).
@@ -23,12 +23,20 @@ pub struct Run {
     out: PipeWriter,
     /// Bytes not yet written (the pipe was full).
     pending: Vec<u8>,
+    /// The final event (`done` or `error`), held back until the state owner has been told that
+    /// the generation is over ([`Run::release_last`]): a caller that reads it and asks for the
+    /// session's `Stats()` or the daemon's counters finds this generation in them.
+    last: Vec<u8>,
     /// The final event is queued; the generation ends once it is written.
     ending: bool,
     pub priority: Priority,
+    /// When the request arrived.
+    received: Instant,
     first_token_by: Option<Instant>,
     end_by: Option<Instant>,
     first_token_at: Option<Instant>,
+    /// How it ended, once it has: a stop reason or an error name (see [`Outcome::end`]).
+    end: Option<String>,
     /// Tokens of the whole prompt, those already in the KV cache included.
     prompt_tokens: usize,
     /// Decode passes run together with other sessions' steps.
@@ -86,11 +94,14 @@ impl Run {
             constraint,
             out,
             pending: Vec::new(),
+            last: Vec::new(),
             ending: false,
             priority: spec.priority,
+            received,
             first_token_by: spec.first_token_within.map(|d| received + d),
             end_by: spec.within.map(|d| received + d),
             first_token_at: None,
+            end: None,
             prompt_tokens,
             shared_decode_passes: 0,
             shared_prompt_passes: 0,
@@ -98,6 +109,20 @@ impl Run {
             start,
             rows,
             sentences: spec.sentences.then(Sentences::default),
+        }
+    }
+
+    /// How the generation went (see [`Outcome`]), once it is over.
+    pub fn outcome(&self) -> Outcome {
+        let st = self.stepper.stats();
+        Outcome {
+            priority: self.priority,
+            prompt_tokens: self.prompt_tokens as u64,
+            cached_prompt_tokens: (self.prompt_tokens - st.prompt_tokens) as u64,
+            generated: self.stepper.ids().len() as u64,
+            passes: DecodePasses::of(&self.stepper),
+            first_token_after: self.first_token_at.map(|at| at - self.received),
+            end: (self.end.clone()).unwrap_or_else(|| "stream_closed".into()),
         }
     }
 
@@ -218,12 +243,13 @@ impl Run {
 
     /// Queues `event` as one JSON line.
     fn queue(&mut self, event: &StreamEvent) {
-        // Serialising these plain types cannot fail; an empty line would be the only trace if
-        // it did.
-        if let Ok(line) = serde_json::to_vec(event) {
-            self.pending.extend_from_slice(&line);
-        }
-        self.pending.push(b'\n');
+        write_line(&mut self.pending, event);
+    }
+
+    /// Holds `event` back as the stream's last line (see [`Run::last`]).
+    fn queue_last(&mut self, event: &StreamEvent) {
+        write_line(&mut self.last, event);
+        self.ending = true;
     }
 
     /// Writes what the pipe takes. `Ok(true)`: bytes are left (pipe full); `Err`: the reader is
@@ -232,13 +258,27 @@ impl Run {
         pipe::flush(&mut self.out, &mut self.pending)
     }
 
-    /// Writes what the pipe takes; true when the generation is over: its last event is out, or
-    /// its reader is gone.
-    pub fn flush_is_over(&mut self) -> bool {
-        match self.flush() {
-            Err(_) => true, // the reader closed its end: cancelled
-            Ok(left) => !left && self.ending,
-        }
+    /// Whether the generation has ended (its last event is queued) and that event has not been
+    /// released to the stream yet: the state owner still has to hear of it.
+    pub fn to_report(&self) -> bool {
+        self.ending && !self.last.is_empty()
+    }
+
+    /// Lets the final event go out with the next flush (the state owner has been told), and
+    /// frees the verification rows, which the session's reservation no longer counts.
+    pub fn release_last(&mut self) {
+        self.pending.append(&mut self.last);
+        self.rows = Vec::new();
+    }
+
+    /// Whether the final event is queued.
+    pub fn ending(&self) -> bool {
+        self.ending
+    }
+
+    /// Whether everything is written, the final event included.
+    pub fn written(&self) -> bool {
+        self.ending && self.pending.is_empty() && self.last.is_empty()
     }
 
     fn end_done(&mut self, reason: StopReason) {
@@ -274,11 +314,11 @@ impl Run {
         if let Some(text) = self.sentences.as_mut().and_then(Sentences::finish) {
             self.queue(&StreamEvent::Sentence { text });
         }
-        self.queue(&StreamEvent::Done {
+        self.queue_last(&StreamEvent::Done {
             reason: reason.name().into(),
             stats,
         });
-        self.ending = true;
+        self.end = Some(reason.name().into());
     }
 
     /// Ends the generation with an error event (`name` without the interface prefix), unless
@@ -287,12 +327,12 @@ impl Run {
         if self.ending {
             return;
         }
-        self.queue(&StreamEvent::Error {
+        self.queue_last(&StreamEvent::Error {
             name: name.into(),
             message: message.into(),
         });
         self.stepper.end(StopReason::Cancelled);
-        self.ending = true;
+        self.end = Some(name.into());
     }
 
     /// Ends the generation with the error event for `f`, logged as the kind of failure it is.
@@ -323,4 +363,13 @@ fn acceptance(s: &SpeculationStats) -> f64 {
     } else {
         accepted as f64 / drafted as f64
     }
+}
+
+/// Appends `event` to `out` as one JSON line.
+fn write_line(out: &mut Vec<u8>, event: &StreamEvent) {
+    // Serialising these plain types cannot fail; an empty line would be the only trace if it did.
+    if let Ok(line) = serde_json::to_vec(event) {
+        out.extend_from_slice(&line);
+    }
+    out.push(b'\n');
 }

@@ -17,7 +17,7 @@ use leanstream_engine::generate::{Stepper, StopRules};
 use super::admit::{Admitted, Work};
 use super::room::Room;
 use super::run::Run;
-use super::{DecodePasses, Entry, Report, SessionBudget, not_open, prefix, refuse};
+use super::{Entry, Outcome, Report, SessionBudget, not_open, prefix, refuse};
 use crate::arbiter::SessionId;
 
 /// The worker thread's state.
@@ -168,12 +168,17 @@ impl Worker {
             Work::Close { id } => {
                 if let Some(mut s) = self.sessions.remove(&id) {
                     if let Some(mut r) = s.run.take() {
+                        // Not yet reported, unless it ended and is only writing its last bytes.
+                        let unreported = !r.ending() || r.to_report();
                         // The stream ends with an event, not a bare EOF (which means the daemon
                         // broke). One write, as much as the pipe takes: a reader that has let
                         // its pipe fill up gets EOF.
                         r.end_with_error("Cancelled", "the session was closed");
+                        r.release_last();
                         let _ = r.flush();
-                        self.finished(id, 0, 0, DecodePasses::default());
+                        if unreported {
+                            self.finished(id, 0, r.outcome());
+                        }
                     }
                     drop(s);
                     leanstream_engine::alloc::trim();
@@ -216,14 +221,12 @@ impl Worker {
         }
     }
 
-    fn finished(&self, id: SessionId, generated: u64, position: u32, passes: DecodePasses) {
+    fn finished(&self, id: SessionId, position: u32, outcome: Outcome) {
         self.note_position(id, position);
         let _ = self.reports.send(Report::Finished {
             id,
-            accepted: true,
-            generated,
             position,
-            passes,
+            outcome: Some(outcome),
         });
     }
 
@@ -291,9 +294,11 @@ impl Worker {
         Ok(())
     }
 
-    /// Writes what the pipe takes; ends the generation once its last event is out (or its reader
-    /// is gone), handing back what its reservation holds beyond the session's bytes (a prompt
-    /// cancelled before it filled what was reserved for it).
+    /// Writes what the pipe takes. A generation that has ended, or whose reader is gone, is
+    /// reported to the state owner before its final event is let out (so a caller that reads
+    /// that event finds the generation in `Stats()`): its session rewound to where it ends, its
+    /// reservation cut back to the session's bytes (a prompt cancelled before it filled what was
+    /// reserved for it). The run is dropped once everything is written or the reader is gone.
     pub fn settle(&mut self, id: SessionId) {
         let Some(s) = self.sessions.get_mut(&id) else {
             return;
@@ -301,17 +306,23 @@ impl Worker {
         let Some(r) = &mut s.run else {
             return;
         };
-        if r.flush_is_over()
-            && let Some(r) = s.run.take()
-        {
+        let gone = r.flush().is_err();
+        if r.to_report() || (gone && !r.ending()) {
             r.rewind_to_end(s.session.as_mut(), &mut s.seen);
+            r.release_last();
+            let (reserved, outcome) = (r.reserved, r.outcome());
             let held = s.session.bytes();
-            if r.reserved > held {
+            let position = s.session.position() as u32;
+            if reserved > held {
                 let _ = self.budget.resize(id, held); // a decrease
             }
-            let position = s.session.position() as u32;
-            let passes = DecodePasses::of(&r.stepper);
-            self.finished(id, r.stepper.ids().len() as u64, position, passes);
+            self.finished(id, position, outcome);
+        }
+        if let Some(s) = self.sessions.get_mut(&id)
+            && let Some(r) = &mut s.run
+            && (gone || r.flush().is_err() || r.written())
+        {
+            s.run = None;
         }
     }
 
@@ -319,6 +330,7 @@ impl Worker {
         for s in self.sessions.values_mut() {
             if let Some(r) = &mut s.run {
                 r.end_with_error("Cancelled", "the daemon is shutting down");
+                r.release_last();
             }
         }
         // Give readers a moment to drain full pipes, then drop everything (EOF).

@@ -39,6 +39,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::arbiter::{Arbiter, ArbiterError, SessionId};
 use crate::config::Params;
+use crate::counters::Counters;
 use crate::request::Request;
 use crate::scheduler::{Command, Report};
 pub use internal::{Budget, Internal};
@@ -72,6 +73,8 @@ pub struct State<P> {
     /// Clients known to be on the bus (see [`State::admit_client`]).
     clients: BTreeMap<String, Caller>,
     next_id: SessionId,
+    /// The operators' counters: generations and model loads are counted here.
+    counters: Counters,
 }
 
 impl<P> std::fmt::Debug for State<P> {
@@ -90,6 +93,7 @@ impl<P: Port> State<P> {
         internal: mpsc::UnboundedSender<Internal>,
         engine: crate::scheduler::Commands,
         loaded_names: watch::Sender<BTreeSet<String>>,
+        counters: Counters,
     ) -> State<P> {
         State {
             ledger: Arbiter::new(params.budget_bytes),
@@ -102,6 +106,7 @@ impl<P: Port> State<P> {
             sessions: BTreeMap::new(),
             clients: BTreeMap::new(),
             next_id: 1,
+            counters,
         }
     }
 
@@ -148,11 +153,14 @@ impl<P: Port> State<P> {
         match ev {
             Report::Finished {
                 id,
-                accepted,
-                generated,
                 position,
-                passes,
-            } => self.finished(id, accepted, generated, position, passes),
+                outcome,
+            } => {
+                if let Some(o) = &outcome {
+                    self.counters.generation(o);
+                }
+                self.finished(id, position, outcome.as_ref());
+            }
             // A closed session's memory is free now: caches may grow into it.
             Report::Dropped { id } => {
                 tracing::debug!("session {id} dropped by the scheduler");

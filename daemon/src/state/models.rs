@@ -293,8 +293,9 @@ impl<P: Port> State<P> {
         };
         match result {
             Ok(model) => {
-                let took = entry.asked.elapsed().as_secs_f64();
-                tracing::info!("model {name} loaded in {took:.2} s");
+                let took = entry.asked.elapsed();
+                tracing::info!("model {name} loaded in {:.2} s", took.as_secs_f64());
+                self.counters.model_loaded(name, took);
                 entry.slot = Slot::Ready(Arc::clone(&model));
                 self.publish_loaded();
                 // Loaded with its floor: now its cache grows to what the ledger grants.

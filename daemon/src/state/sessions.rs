@@ -15,7 +15,7 @@ use super::{Caller, Port, State};
 use crate::arbiter::{ArbiterError, SessionId};
 use crate::models::ModelFile;
 use crate::request::Reply;
-use crate::scheduler::{Command, DecodePasses, GenSpec, Input, LoadedModel};
+use crate::scheduler::{Command, DecodePasses, GenSpec, Input, LoadedModel, Outcome};
 
 /// An open session.
 #[derive(Debug)]
@@ -251,22 +251,15 @@ impl<P: Port> State<P> {
     }
 
     /// The scheduler reports a generation's end.
-    pub(super) fn finished(
-        &mut self,
-        id: SessionId,
-        accepted: bool,
-        generated: u64,
-        position: u32,
-        passes: DecodePasses,
-    ) {
+    pub(super) fn finished(&mut self, id: SessionId, position: u32, outcome: Option<&Outcome>) {
         if let Some(s) = self.sessions.get_mut(&id) {
             s.position = position;
-            if accepted {
+            if let Some(o) = outcome {
                 s.generations += 1;
-                s.generated_tokens += generated;
-                s.passes.passes += passes.passes;
-                s.passes.drafted += passes.drafted;
-                s.passes.accepted += passes.accepted;
+                s.generated_tokens += o.generated;
+                s.passes.passes += o.passes.passes;
+                s.passes.drafted += o.passes.drafted;
+                s.passes.accepted += o.passes.accepted;
             }
         }
     }

@@ -77,7 +77,7 @@ fn a_refused_request_raises_no_urgency_mark_and_a_background_pass_runs_on() {
                 s.reports.try_recv(),
                 Ok(Report::Finished {
                     id: 2,
-                    accepted: false,
+                    outcome: None,
                     ..
                 })
             ),
@@ -193,9 +193,7 @@ fn prompts_that_arrive_together_each_reserve_their_kv_or_are_refused_before_they
     let mut refused = Vec::new();
     while let Ok(report) = reports_rx.try_recv() {
         if let Report::Finished {
-            id,
-            accepted: false,
-            ..
+            id, outcome: None, ..
         } = report
         {
             refused.push(id);

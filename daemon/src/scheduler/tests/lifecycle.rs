@@ -67,6 +67,44 @@ fn each_token_is_in_the_pipe_before_the_next_forward_pass_starts() {
     );
 }
 
+/// The state owner hears that a generation is over before its caller can read the final event:
+/// a caller that asks for the session's statistics after `done` finds the generation there.
+#[test]
+fn the_end_is_reported_before_the_final_event_is_written() {
+    use std::io::BufRead;
+    let fx = Fixture::new();
+    let file = fx.gguf("tiny");
+    let model = Arc::new(load(&fx, &file, ""));
+    let (events, mut events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let engine = Scheduler::start(events, budget(SharedLimit::new(u64::MAX))).unwrap();
+    open(&engine, 1, &model, exact(&model, 64, KvType::F32));
+    let mut lines = std::io::BufReader::new(start(&engine, 1, PROMPT)).lines();
+    let mut tokens = 0u64;
+    loop {
+        let line = lines.next().expect("a final event").unwrap();
+        match serde_json::from_str(&line).unwrap() {
+            StreamEvent::Token { .. } => tokens += 1,
+            StreamEvent::Done { .. } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    // No waiting: the report is already there.
+    match events_rx.try_recv() {
+        Ok(Report::Finished {
+            id: 1,
+            outcome: Some(o),
+            ..
+        }) => {
+            assert_eq!(o.generated, tokens);
+            assert_eq!(o.end, "max_tokens");
+            assert!(o.first_token_after.is_some());
+        }
+        other => panic!("not reported before done was read: {other:?}"),
+    }
+    engine.tx.send(Command::Shutdown).unwrap();
+    engine.thread.join().unwrap();
+}
+
 #[test]
 fn closing_a_session_mid_generation_ends_its_stream_with_cancelled() {
     let fx = Fixture::new();
@@ -162,13 +200,7 @@ fn kv_over_budget_refuses_a_prompt_up_front_or_ends_a_generation_and_the_session
     engine.thread.join().unwrap();
     let (mut refusals, mut dropped) = (0, false);
     while let Ok(ev) = events_rx.try_recv() {
-        refusals += matches!(
-            ev,
-            Report::Finished {
-                accepted: false,
-                ..
-            }
-        ) as usize;
+        refusals += matches!(ev, Report::Finished { outcome: None, .. }) as usize;
         dropped |= matches!(ev, Report::Dropped { id: 1 });
     }
     assert_eq!(refusals, 1, "the refusal is reported to the state owner");

@@ -24,6 +24,7 @@ use super::port::path_of;
 use super::{Budget, Caller, Inbox, Port, State};
 use crate::arbiter::SessionId;
 use crate::config::KeepAlive;
+use crate::counters::Counters;
 use crate::request::{Request, ask};
 use crate::scheduler::{GenSpec, Input, Scheduler, SessionBudget};
 use crate::testing::Fixture;
@@ -73,6 +74,8 @@ struct Daemon {
     departures: mpsc::UnboundedSender<String>,
     owner: tokio::task::JoinHandle<()>,
     scheduler: std::thread::JoinHandle<()>,
+    /// The counters the state owner writes.
+    counters: Counters,
 }
 
 impl Daemon {
@@ -93,7 +96,15 @@ impl Daemon {
         let budget = || -> Box<dyn SessionBudget> { Box::new(Budget(internal_tx.clone())) };
         let engine = Scheduler::start(events_tx, budget).unwrap();
         let port = FakePort::default();
-        let state = State::new(params, port.clone(), internal_tx, engine.tx, loaded_tx);
+        let counters = Counters::default();
+        let state = State::new(
+            params,
+            port.clone(),
+            internal_tx,
+            engine.tx,
+            loaded_tx,
+            counters.clone(),
+        );
         let inbox = Inbox {
             events,
             departures: departures_rx,
@@ -108,6 +119,7 @@ impl Daemon {
             departures,
             owner,
             scheduler: engine.thread,
+            counters,
         };
         daemon.join(ADMIN, 0, true);
         daemon

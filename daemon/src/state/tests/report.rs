@@ -56,3 +56,41 @@ async fn a_client_sees_its_own_sessions_and_the_others_as_one_total() {
     assert_eq!(refused(d.memory(":1.2").await), "AccessDenied");
     d.stop().await;
 }
+
+/// The operators' counters: a model's load and each generation's class, tokens, end and time
+/// to first token, as the scheduler reported them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_and_loads_are_counted() {
+    let fixture = Fixture::new();
+    fixture.gguf("tiny");
+    let d = Daemon::start(fixture, "");
+    d.join(":1.1", 1000, false);
+    let id = d.open(":1.1", "tiny").await.unwrap();
+    for (tokens, priority) in [(3, Priority::Interactive), (2, Priority::Background)] {
+        let stream = d.generate(":1.1", id, tokens, priority).await.unwrap();
+        let events = read_events(stream).await;
+        assert!(
+            matches!(events.last(), Some(StreamEvent::Done { .. })),
+            "{events:?}"
+        );
+    }
+    // The scheduler's report follows the stream's last event.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.counters.snapshot().get("tokens.generated") != Some(&5) {
+        assert!(Instant::now() < deadline, "{:?}", d.counters.snapshot());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let c = d.counters.snapshot();
+    assert_eq!(c["model_loads.tiny"], 1);
+    assert!(c.contains_key("model_load_ms.tiny"), "{c:?}");
+    assert_eq!(c["generations.interactive"], 1);
+    assert_eq!(c["generations.background"], 1);
+    assert_eq!(c["ends.max_tokens"], 2);
+    assert_eq!(c["ttft_us.interactive.count"], 1);
+    assert_eq!(c["ttft_us.background.count"], 1);
+    assert!(c["ttft_us.interactive.sum"] > 0);
+    // The second prompt repeats the first, whose keys and values the session holds; a
+    // generation computes at least its prompt's last token.
+    assert!(c["tokens.prompt"] > c["tokens.prompt_cached"], "{c:?}");
+    d.stop().await;
+}
