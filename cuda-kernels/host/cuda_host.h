@@ -78,14 +78,19 @@ namespace ls_host {
 
 constexpr unsigned warp_size = 32;
 
+constexpr unsigned running = ~0u;
+
 // One warp of the current block: the exchange buffer of __shfl_xor_sync (two slots, used in
-// turn, so one barrier per shuffle suffices) and the lanes that have returned.
+// turn, so one barrier per shuffle suffices) and, per lane, how many shuffles it had made when
+// it returned (`running` until then).
 struct Warp {
-    explicit Warp(unsigned lanes) : lanes(lanes), bar(lanes) {}
+    explicit Warp(unsigned lanes) : lanes(lanes), bar(lanes) {
+        for (auto& r : returned_after) r.store(running);
+    }
     unsigned lanes;
     std::barrier<> bar;
     std::uint32_t slots[2][warp_size] = {};
-    std::atomic<std::uint32_t> returned{0};
+    std::atomic<unsigned> returned_after[warp_size];
 };
 
 // The synchronisation state of one block, made anew for each block of the grid.
@@ -98,9 +103,9 @@ struct Block {
     std::vector<std::unique_ptr<Warp>> warps;
 };
 
-// Per host thread: the block it is running and which exchange slot its next shuffle uses.
+// Per host thread: the block it is running and the shuffles it has made in it.
 inline thread_local Block* current = nullptr;
-inline thread_local unsigned shuffle_slot = 0;
+inline thread_local unsigned shuffles = 0;
 inline std::atomic<int> fault{LS_HOST_OK};
 
 inline std::mutex& launch_lock() {
@@ -141,11 +146,11 @@ template <class Body> int launch(const LsLaunch& g, Body body) {
             blockIdx = {(unsigned)(b % g.grid[0]), (unsigned)(b / g.grid[0] % g.grid[1]),
                         (unsigned)(b / g.grid[0] / g.grid[1])};
             current = block.get();
-            shuffle_slot = 0;
+            shuffles = 0;
             body();
             // Returned: no longer part of the block's or the warp's barriers.
             Warp& w = *current->warps[t / warp_size];
-            w.returned.fetch_or(1u << (t % warp_size));
+            w.returned_after[t % warp_size].store(shuffles);
             w.bar.arrive_and_drop();
             current->sync.arrive_and_drop();
         }
@@ -183,14 +188,15 @@ template <class T> __device__ __forceinline__ T __shfl_xor_sync(unsigned mask, T
     Warp& w = *current->warps[threadIdx.x / warp_size];
     const unsigned lane = threadIdx.x % warp_size;
     const unsigned src = lane ^ (unsigned)lane_mask;
-    std::uint32_t(&slot)[warp_size] = w.slots[shuffle_slot];
-    shuffle_slot ^= 1;
+    const unsigned k = shuffles++;
+    std::uint32_t(&slot)[warp_size] = w.slots[k % 2];
     slot[lane] = std::bit_cast<std::uint32_t>(v);
     w.bar.arrive_and_wait();
     // Written before the barrier, and not overwritten before the next one: a lane writes this
-    // slot again two shuffles later, after every lane has passed the barrier in between.
+    // slot again two shuffles later, after every lane has passed the barrier in between. A lane
+    // that returned before making shuffle k wrote nothing for it.
     if (mask != 0xffffffffu || w.lanes != warp_size || src >= warp_size ||
-        (w.returned.load() >> src & 1) != 0) {
+        w.returned_after[src].load() <= k) {
         report(LS_HOST_WARP_FAULT);
         return v;
     }
