@@ -23,12 +23,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <latch>
 #include <memory>
 #include <mutex>
-#include <new>
-#include <string>
 #include <system_error>
 #include <thread>
 #include <type_traits>

@@ -7,6 +7,7 @@
 //! stay alive until the stream has run the kernel. The callers (`ops.rs`, `session.rs`) keep
 //! their buffers alive across a synchronisation of the stream.
 
+use cust::function::{BlockSize, GridSize};
 use cust::memory::DevicePointer;
 use cust::prelude::*;
 
