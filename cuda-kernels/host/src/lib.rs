@@ -166,7 +166,7 @@ impl KernelOps for HostKernels {
     }
 
     fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
-        expect_len("b", up, gate.len())?;
+        expect_len("up", up, gate.len())?;
         let mut out = gate.to_vec();
         let (g, n) = (launch::elementwise(out.len())?.into(), int("n", out.len())?);
         // SAFETY: n values behind both pointers, for the duration of the call.
