@@ -49,11 +49,22 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-// IEEE half bits to f32, exact (subnormals, infinities and NaN included), via the PTX conversion.
+// IEEE half bits to f32, exact (subnormals, infinities and NaN included), via the PTX conversion;
+// the same by bits where the kernels are built for the host (cuda-kernels/host/).
 __device__ __forceinline__ float ls_f16_to_f32(u16 h) {
+#ifdef __CUDA_ARCH__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#else
+    const u32 sign = (u32)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) { // zero or subnormal: mant * 2^-24, exact in f32
+        const float v = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    const u32 bits = exp == 0x1f ? 0x7f800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13);
+    return __int_as_float((int)(sign | bits));
+#endif
 }
 
 // bfloat16 bits to f32 (exact: the upper half of an f32).

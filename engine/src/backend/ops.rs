@@ -143,7 +143,8 @@ pub(crate) fn invalid(arg: &'static str, reason: String) -> Error {
     Error::InvalidArgument { arg, reason }
 }
 
-pub(crate) fn expect_len(arg: &'static str, v: &[f32], want: usize) -> Result<()> {
+/// Checks that `v` has `want` values (the error names `arg`).
+pub fn expect_len(arg: &'static str, v: &[f32], want: usize) -> Result<()> {
     if v.len() == want {
         Ok(())
     } else {
@@ -152,7 +153,7 @@ pub(crate) fn expect_len(arg: &'static str, v: &[f32], want: usize) -> Result<()
 }
 
 /// Checks a [`FfnChunks`] call: input width, chunk indices, no chunk twice, whole chunks.
-pub(crate) fn check_ffn(f: &FfnChunks<'_>) -> Result<()> {
+pub fn check_ffn(f: &FfnChunks<'_>) -> Result<()> {
     let l = f.layout;
     expect_len("x", f.x, l.d_model)?;
     let mut seen = vec![false; l.chunks_per_layer];
@@ -174,7 +175,7 @@ pub(crate) fn check_ffn(f: &FfnChunks<'_>) -> Result<()> {
 }
 
 /// Checks an RMSNorm call: `x` is whole rows of `weight.len()` values. Returns the row count.
-pub(crate) fn check_rows(x: &[f32], weight: &[f32]) -> Result<usize> {
+pub fn check_rows(x: &[f32], weight: &[f32]) -> Result<usize> {
     let n = weight.len();
     if n == 0 || !x.len().is_multiple_of(n) {
         return Err(invalid("x", format!("{} values in rows of {n}", x.len())));
@@ -183,7 +184,7 @@ pub(crate) fn check_rows(x: &[f32], weight: &[f32]) -> Result<usize> {
 }
 
 /// Checks a RoPE call: an even `head_dim` and whole heads. Returns the head count.
-pub(crate) fn check_heads(x: &[f32], head_dim: usize) -> Result<usize> {
+pub fn check_heads(x: &[f32], head_dim: usize) -> Result<usize> {
     if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
         return Err(invalid(
             "head_dim",
@@ -194,7 +195,7 @@ pub(crate) fn check_heads(x: &[f32], head_dim: usize) -> Result<usize> {
 }
 
 /// Checks a sampling call: at least `k` (≥ 1) logits.
-pub(crate) fn check_top_k(logits: &[f32], k: usize) -> Result<()> {
+pub fn check_top_k(logits: &[f32], k: usize) -> Result<()> {
     if k == 0 || k > logits.len() {
         return Err(invalid("k", format!("{k} of {} logits", logits.len())));
     }

@@ -1,16 +1,18 @@
 //! Typed launches of the `cuda-kernels/` kernels on device pointers, queued on the backend's
-//! stream (nothing here waits). Grid and block sizes follow each kernel's comment in
-//! `cuda-kernels/src/`.
+//! stream (nothing here waits). Grid and block sizes, and the kernels' codes for the engine's
+//! types, come from `backend::launch` (shared with the kernels' host build).
 //!
 //! Safety contract of every launcher: the pointers are device (or mapped host) memory of this
 //! context holding at least the sizes the kernel's comment names for the given arguments, and
 //! stay alive until the stream has run the kernel. The callers (`ops.rs`, `session.rs`) keep
 //! their buffers alive across a synchronisation of the stream.
 
+use cust::function::{BlockSize, GridSize};
 use cust::memory::DevicePointer;
 use cust::prelude::*;
 
-use super::{CudaBackend, cuda, dtype_code};
+use super::{CudaBackend, cuda};
+use crate::backend::launch::{self, Launch, dtype_code, int};
 use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, RopeStyle};
 use crate::quant::DType;
@@ -29,19 +31,9 @@ pub struct GatheredChunks {
     pub n: usize,
 }
 
-/// The kernel's `int`, or an error naming the argument that does not fit.
-fn int(what: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::InvalidArgument {
-        arg: what,
-        reason: format!("{v} does not fit a kernel's int"),
-    })
-}
-
-fn grid(what: &'static str, v: usize) -> Result<u32> {
-    u32::try_from(v.max(1)).map_err(|_| Error::InvalidArgument {
-        arg: what,
-        reason: format!("{v} blocks"),
-    })
+/// cust's grid, block and shared bytes of a launch.
+fn shape(l: Launch) -> (GridSize, BlockSize, u32) {
+    (l.grid.into(), l.block.into(), l.shared_bytes)
 }
 
 impl CudaBackend {
@@ -57,9 +49,10 @@ impl CudaBackend {
     ) -> Result<()> {
         let f = self.function("elementwise", "rmsnorm")?;
         let stream = &self.stream;
+        let (grid, block, shared) = shape(launch::rmsnorm(rows)?);
         // SAFETY: the module contract above; rows × n values behind out and x, n behind weight.
         unsafe {
-            launch!(f<<<grid("rows", rows)?, 256, 0, stream>>>(out, x, weight, int("n", n)?, eps))
+            launch!(f<<<grid, block, shared, stream>>>(out, x, weight, int("n", n)?, eps))
                 .map_err(cuda("launching rmsnorm"))
         }
     }
@@ -80,9 +73,10 @@ impl CudaBackend {
         let f = self.function("matvec", "matvec")?;
         let stream = &self.stream;
         let (r, c) = (int("rows", rows)?, int("cols", cols)?);
+        let (grid, block, shared) = shape(launch::matvec(rows)?);
         // SAFETY: the module contract; w holds rows × row_bytes(cols), x cols, y and bias rows.
         unsafe {
-            launch!(f<<<grid("rows", rows.div_ceil(8))?, 256, 0, stream>>>(
+            launch!(f<<<grid, block, shared, stream>>>(
                 w,
                 dtype_code(dtype),
                 r,
@@ -107,19 +101,15 @@ impl CudaBackend {
     ) -> Result<()> {
         let f = self.function("elementwise", "rope")?;
         let stream = &self.stream;
-        let style = match style {
-            RopeStyle::AdjacentPairs => 0i32,
-            RopeStyle::HalfSplit => 1,
-        };
-        let threads = grid("head_dim", (head_dim / 2).next_multiple_of(32))?;
+        let (grid, block, shared) = shape(launch::rope(n_heads, head_dim)?);
         // SAFETY: the module contract; n_heads × head_dim values behind x.
         unsafe {
-            launch!(f<<<grid("n_heads", n_heads)?, threads, 0, stream>>>(
+            launch!(f<<<grid, block, shared, stream>>>(
                 x,
                 int("head_dim", head_dim)?,
                 int("pos", pos)?,
                 base,
-                style
+                launch::rope_style_code(style)
             ))
             .map_err(cuda("launching rope"))
         }
@@ -130,9 +120,10 @@ impl CudaBackend {
     pub fn binary_on(&self, name: &'static str, a: F32Ptr, b: F32Ptr, n: usize) -> Result<()> {
         let f = self.function("elementwise", name)?;
         let stream = &self.stream;
+        let (grid, block, shared) = shape(launch::elementwise(n)?);
         // SAFETY: the module contract; n values behind a and b.
         unsafe {
-            launch!(f<<<grid("n", n.div_ceil(256))?, 256, 0, stream>>>(a, b, int("n", n)?))
+            launch!(f<<<grid, block, shared, stream>>>(a, b, int("n", n)?))
                 .map_err(|e| Error::Cuda(format!("launching {name}: {e}")))
         }
     }
@@ -150,18 +141,13 @@ impl CudaBackend {
         [n_heads, n_kv_heads, head_dim]: [usize; 3],
         kv_stride: usize,
     ) -> Result<()> {
-        if head_dim > 256 || !head_dim.is_multiple_of(32) {
-            return Err(Error::InvalidArgument {
-                arg: "head_dim",
-                reason: format!("{head_dim}: the kernel takes multiples of 32 up to 256"),
-            });
-        }
+        let (grid, block, shared) = shape(launch::attention_decode(n_heads, head_dim)?);
         let f = self.function("attention", "attention_decode")?;
         let stream = &self.stream;
         // SAFETY: the module contract; n_pos × kv_stride values behind keys and values,
         // n_heads × head_dim behind q and out.
         unsafe {
-            launch!(f<<<grid("n_heads", n_heads)?, 128, 0, stream>>>(
+            launch!(f<<<grid, block, shared, stream>>>(
                 q,
                 keys,
                 values,
@@ -194,73 +180,44 @@ impl CudaBackend {
         if chunks.n == 0 {
             return Ok(());
         }
-        let l = layout;
-        let act = match activation {
-            FfnActivation::Silu => 0i32,
-            FfnActivation::Relu => 1,
-            FfnActivation::GeluTanh => {
-                return Err(Error::InvalidArgument {
-                    arg: "activation",
-                    reason: "the CUDA FFN kernels have no GeGLU yet".into(),
-                });
-            }
-        };
-        let (n, cn, n_ff, d) = (
-            int("chunks", chunks.n)?,
-            int("chunk_neurons", l.chunk_neurons)?,
-            int("n_ff", l.n_ff)?,
-            int("d_model", l.d_model)?,
-        );
-        let (bundle, up_at, down_at) = (
-            int("bundle_bytes", l.bundle_bytes)?,
-            int("up_at", l.up_at)?,
-            int("down_at", l.down_at)?,
-        );
-        let rows_grid = (
-            grid("chunk_neurons", l.chunk_neurons.div_ceil(8))?,
-            n as u32,
-        );
-        let cols_grid = (grid("d_model", l.d_model.div_ceil(256))?, n as u32);
+        let a = launch::ffn(layout, chunks.n, activation)?;
         let gate_up = self.function("ffn", "ffn_gate_up_gathered")?;
         let down = self.function("ffn", "ffn_down_gathered")?;
         let stream = &self.stream;
-        let (gate_dtype, up_dtype, down_dtype) = (
-            dtype_code(l.gate_dtype),
-            dtype_code(l.up_dtype),
-            dtype_code(l.down_dtype),
-        );
+        let (gate_up_grid, gate_up_block, gate_up_shared) = shape(a.gate_up);
+        let (down_grid, down_block, down_shared) = shape(a.down);
         // SAFETY: the module contract; every listed chunk holds its neurons' bundles as
         // `layout` describes, x holds d_model values, h n_ff, acc d_model. The down launch
         // follows the gate/up launch on the same stream, so it reads the h that one wrote.
         unsafe {
-            launch!(gate_up<<<rows_grid, 256, 0, stream>>>(
+            launch!(gate_up<<<gate_up_grid, gate_up_block, gate_up_shared, stream>>>(
                 chunks.ptrs,
                 chunks.index,
-                n,
-                cn,
-                n_ff,
-                d,
-                bundle,
-                up_at,
-                gate_dtype,
-                up_dtype,
-                act,
+                a.n_chunks,
+                a.chunk_neurons,
+                a.n_ff,
+                a.d_model,
+                a.bundle_bytes,
+                a.up_at,
+                a.gate_dtype,
+                a.up_dtype,
+                a.act,
                 threshold,
                 x,
                 h,
                 active
             ))
             .map_err(cuda("launching ffn_gate_up_gathered"))?;
-            launch!(down<<<cols_grid, 256, 0, stream>>>(
+            launch!(down<<<down_grid, down_block, down_shared, stream>>>(
                 chunks.ptrs,
                 chunks.index,
-                n,
-                cn,
-                n_ff,
-                d,
-                bundle,
-                down_at,
-                down_dtype,
+                a.n_chunks,
+                a.chunk_neurons,
+                a.n_ff,
+                a.d_model,
+                a.bundle_bytes,
+                a.down_at,
+                a.down_dtype,
                 h,
                 acc
             ))
@@ -272,9 +229,10 @@ impl CudaBackend {
     pub fn argmax_on(&self, logits: F32Ptr, n: usize, out: DevicePointer<u32>) -> Result<()> {
         let f = self.function("sample", "argmax")?;
         let stream = &self.stream;
+        let (grid, block, shared) = shape(launch::sampling());
         // SAFETY: the module contract; n values behind logits, one behind out.
         unsafe {
-            launch!(f<<<1, 1024, 0, stream>>>(logits, int("n", n)?, out))
+            launch!(f<<<grid, block, shared, stream>>>(logits, int("n", n)?, out))
                 .map_err(cuda("launching argmax"))
         }
     }
@@ -290,9 +248,10 @@ impl CudaBackend {
     ) -> Result<()> {
         let f = self.function("sample", "top_k")?;
         let stream = &self.stream;
+        let (grid, block, shared) = shape(launch::sampling());
         // SAFETY: the module contract; n values behind logits, k behind out_v and out_i.
         unsafe {
-            launch!(f<<<1, 1024, 0, stream>>>(
+            launch!(f<<<grid, block, shared, stream>>>(
                 logits,
                 int("n", n)?,
                 int("k", k)?,

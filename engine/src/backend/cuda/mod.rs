@@ -25,7 +25,7 @@ pub use kernels::{F32Ptr, GatheredChunks};
 pub use memory::HostRegistration;
 pub(crate) use memory::{download, download_into, upload, zeros};
 
-use crate::quant::DType;
+pub use crate::backend::launch::dtype_code;
 use crate::{Error, Result};
 
 /// The PTX of `cuda-kernels/ptx/`, by module name.
@@ -52,14 +52,6 @@ const PTX: [(&str, &str); 5] = [
 /// Maps a `cust` error to [`Error::Cuda`] naming what was being done.
 pub(crate) fn cuda(what: &str) -> impl Fn(cust::error::CudaError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
-}
-
-/// The kernel type code of `dtype` (`cuda-kernels/src/common.cuh`: the order of [`DType::ALL`]).
-pub fn dtype_code(dtype: DType) -> i32 {
-    DType::ALL
-        .iter()
-        .position(|&d| d == dtype)
-        .expect("every DType is in DType::ALL") as i32
 }
 
 /// A CUDA context with the LeanStream kernels loaded.

@@ -1,0 +1,21 @@
+// Host launchers of src/elementwise.cu: each runs the kernel over the grid `g` (cuda_host.h).
+#include "cuda_host.h"
+
+#include "elementwise.cu"
+
+extern "C" int ls_host_rmsnorm(LsLaunch g, float* out, const float* x, const float* weight, int n,
+                               float eps) {
+    return ls_host::launch(g, [=] { rmsnorm(out, x, weight, n, eps); });
+}
+
+extern "C" int ls_host_rope(LsLaunch g, float* x, int head_dim, int pos, float base, int style) {
+    return ls_host::launch(g, [=] { rope(x, head_dim, pos, base, style); });
+}
+
+extern "C" int ls_host_silu_mul(LsLaunch g, float* gate, const float* up, int n) {
+    return ls_host::launch(g, [=] { silu_mul(gate, up, n); });
+}
+
+extern "C" int ls_host_add_inplace(LsLaunch g, float* a, const float* b, int n) {
+    return ls_host::launch(g, [=] { add_inplace(a, b, n); });
+}
