@@ -27,8 +27,9 @@ inherit cargo cargo-update-recipe-crates systemd useradd
 PACKAGECONFIG ??= ""
 PACKAGECONFIG[cuda] = "--features leanstreamd/cuda --features leanstream/cuda,,tegra-libraries-cuda,tegra-libraries-cuda"
 
-# The daemon and the CLI; the native variant (model conversion at build time) needs the CLI only.
-LEANSTREAM_CARGO_PACKAGES = "-p leanstreamd -p leanstream"
+# The daemon, the CLI and the OpenAI-compatible endpoint; the native variant (model conversion at
+# build time) needs the CLI only.
+LEANSTREAM_CARGO_PACKAGES = "-p leanstreamd -p leanstream -p leanstream-openai"
 LEANSTREAM_CARGO_PACKAGES:class-native = "-p leanstream"
 
 do_compile() {
@@ -56,8 +57,15 @@ do_install:class-native() {
 
 # leanstream: the service (daemon, unit, D-Bus policy and activation, user, directories, config).
 # leanstream-cli: the command line, for people on the device; apps call D-Bus directly.
-PACKAGE_BEFORE_PN = "${PN}-cli"
+# leanstream-openai: the OpenAI-compatible HTTP endpoint on a Unix socket, started by its socket
+# unit at the first connection.
+PACKAGE_BEFORE_PN = "${PN}-cli ${PN}-openai"
 FILES:${PN}-cli += "${bindir}/leanstream"
+FILES:${PN}-openai += "\
+    ${bindir}/leanstream-openai \
+    ${systemd_system_unitdir}/leanstream-openai.socket \
+    ${systemd_system_unitdir}/leanstream-openai.service \
+"
 FILES:${PN} += "\
     ${datadir}/dbus-1/system.d/io.github.leanstream.LeanStream1.conf \
     ${datadir}/dbus-1/system-services/io.github.leanstream.LeanStream1.service \
@@ -69,9 +77,13 @@ FILES:${PN} += "\
 CONFFILES:${PN} = "${sysconfdir}/leanstream/leanstreamd.toml"
 RDEPENDS:${PN} = "dbus"
 RRECOMMENDS:${PN} = "${PN}-cli"
+RDEPENDS:${PN}-openai = "${PN}"
 
+SYSTEMD_PACKAGES = "${PN} ${PN}-openai"
 SYSTEMD_SERVICE:${PN} = "leanstreamd.service"
 SYSTEMD_AUTO_ENABLE:${PN} = "enable"
+SYSTEMD_SERVICE:${PN}-openai = "leanstream-openai.socket"
+SYSTEMD_AUTO_ENABLE:${PN}-openai = "enable"
 
 # The same user as systemd/sysusers.conf: static, group leanstream (whose members may call the
 # service), supplementary group video (the GPU device nodes).
