@@ -76,8 +76,8 @@ FILES:${PN} += "\
 "
 CONFFILES:${PN} = "${sysconfdir}/leanstream/leanstreamd.toml"
 RDEPENDS:${PN} = "dbus"
-RRECOMMENDS:${PN} = "${PN}-cli"
 RDEPENDS:${PN}-openai = "${PN}"
+RRECOMMENDS:${PN} = "${PN}-cli"
 
 SYSTEMD_PACKAGES = "${PN} ${PN}-openai"
 SYSTEMD_SERVICE:${PN} = "leanstreamd.service"
