@@ -147,7 +147,7 @@ pub struct Params {
     pub models: BTreeMap<String, ModelParams>,
     /// I/O worker threads of the streaming engine, per model. Default 2.
     pub io_threads: usize,
-    /// Compute threads (rayon pool); 0 means one per core. Default 0.
+    /// Compute threads (the members of the engine's compute team); 0 means one per core. Default 0.
     pub compute_threads: usize,
     pub backend: Backend,
     /// Activation precision of the quantised dot products. Default exact.

@@ -91,7 +91,7 @@ fn main() -> leanstream_engine::Result<()> {
     println!(
         "{}: {label}, {precision:?} precision, {} compute threads, {STEPS} steps",
         path.display(),
-        rayon::current_num_threads()
+        leanstream_engine::backend::cpu::compute_threads()
     );
     println!(
         "{:>3} | {:>13} | {:>13} | {:>6}",

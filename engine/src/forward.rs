@@ -141,15 +141,15 @@ pub struct Session {
     kernels: &'static Kernels,
 }
 
-/// Tasks the neuron-major down projection is split into (one partial sum each): one per compute
-/// thread of the pool the caller runs in.
+/// Groups the neuron-major down projection is split into (one partial sum each): one per compute
+/// thread.
 fn down_parts() -> usize {
-    rayon::current_num_threads().max(1)
+    cpu::compute_threads().max(1)
 }
 
 /// Heap bytes [`Session::new`]`(model, max_context, _, kv)` allocates (its scratch and the empty
 /// block table of its KV cache; no KV block), so a caller can reserve them first. Equal to that
-/// session's [`Session::bytes`] when called from the same thread pool.
+/// session's [`Session::bytes`].
 pub fn session_open_bytes(model: &Model, max_context: usize, kv: KvType) -> u64 {
     let _ = kv; // A new session holds no KV block, whatever its type.
     Shape::new(&model.weights.config, max_context, down_parts()).bytes()
@@ -268,18 +268,15 @@ impl Session {
         self.check_tokens(tokens)?;
         self.grow_kv(tokens.len())?;
         let last = tokens.chunks(MAX_BATCH).count() - 1;
-        cpu::on_pool(|| {
-            for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
-                let mut pass = self.pass(batch.len());
-                pass.embed(batch)?;
-                pass.layers(&never)?;
-                if b == last {
-                    pass.head(&[batch.len() - 1])?;
-                }
-                self.pos += batch.len();
+        for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
+            let mut pass = self.pass(batch.len());
+            pass.embed(batch)?;
+            pass.layers(&never)?;
+            if b == last {
+                pass.head(&[batch.len() - 1])?;
             }
-            Ok::<_, Error>(())
-        })?;
+            self.pos += batch.len();
+        }
         Ok(&mut self.s.logits)
     }
 
@@ -354,16 +351,10 @@ impl Session {
         pass.seats[0].logits = out;
         pass.embed(tokens)?;
         match exec {
-            // As `forward_with`: the executor is not `Send`, so the pass runs where it is called.
-            Some(exec) => {
-                pass.layers_with(exec, &never)?;
-                pass.head(&rows)?;
-            }
-            None => cpu::on_pool(|| {
-                pass.layers(&never)?;
-                pass.head(&rows)
-            })?,
-        }
+            Some(exec) => pass.layers_with(exec, &never)?,
+            None => pass.layers(&never)?,
+        };
+        pass.head(&rows)?;
         self.pos += n;
         Ok(())
     }
@@ -419,10 +410,8 @@ impl Session {
             let row = &mut out[i * width..(i + 1) * width];
             pass.seats[0].logits = row;
             pass.embed(&fed[i..=i])?;
-            cpu::on_pool(|| {
-                pass.layers(&never)?;
-                pass.head_span(&[0], HeadSpan::Resident)
-            })?;
+            pass.layers(&never)?;
+            pass.head_span(&[0], HeadSpan::Resident)?;
             hidden[i * d..(i + 1) * d].copy_from_slice(&pass.work.x[..d]);
             self.pos += 1;
             if i + 1 < n {
@@ -434,7 +423,7 @@ impl Session {
         pass.work.x[..n * d].copy_from_slice(&hidden);
         pass.seats[0].logits = out;
         let rows: Vec<usize> = (0..n).collect();
-        cpu::on_pool(|| pass.head_span(&rows, HeadSpan::Streamed))
+        pass.head_span(&rows, HeadSpan::Streamed)
     }
 
     /// Forgets every token after the first `position` ones (the rejected positions of a
@@ -640,17 +629,14 @@ pub fn forward_each_rows(
         rows,
     };
     let tokens = pieces.concat();
-    let ran = cpu::on_pool(|| {
-        pass.embed(&tokens)?;
-        let ran = match exec {
-            Some(exec) => pass.layers_with(exec, stop)?,
-            None => pass.layers(stop)?,
-        };
-        if ran {
-            pass.head(&head_rows)?;
-        }
-        Ok::<_, Error>(ran)
-    })?;
+    pass.embed(&tokens)?;
+    let ran = match exec {
+        Some(exec) => pass.layers_with(exec, stop)?,
+        None => pass.layers(stop)?,
+    };
+    if ran {
+        pass.head(&head_rows)?;
+    }
     if ran {
         for (s, piece) in sessions.iter_mut().zip(pieces) {
             s.pos += piece.len();

@@ -52,9 +52,13 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 
-/// Sets the number of compute threads (the global rayon pool). Call once, before any compute;
-/// returns an error if the pool was already built.
+/// Sets the number of compute threads: the members of the compute team that runs every forward
+/// pass (the calling thread and `threads - 1` helpers; see `backend/cpu/team.rs`), and the size of
+/// rayon's global pool, which serves the bulk work outside forward passes (model export and
+/// synthesis). 0 means one per available core. Call once, before any compute; returns an error if
+/// either was fixed already (the team is by its first parallel region).
 pub fn set_compute_threads(threads: usize) -> std::result::Result<(), String> {
+    backend::cpu::set_compute_threads(threads)?;
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()

@@ -66,11 +66,6 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// Bytes a forward pass may leave allocated on the calling thread that are not the session's:
-/// handing work to the rayon pool now and then allocates a block of its job queue's slots
-/// (1520 bytes here), which a worker thread frees later.
-const POOL_SLACK: i64 = 4096;
-
 /// Runs `f` and returns its result with the live heap bytes this thread gained meanwhile.
 fn measure<T>(f: impl FnOnce() -> T) -> (T, i64) {
     LIVE.with(|l| l.set(0));
@@ -86,9 +81,9 @@ fn tiny_model(dir: &std::path::Path) -> Arc<Model> {
         .write_gguf(&path, DType::Q8_0)
         .expect("write");
     let model = Model::load(&path).expect("load");
-    // The first session and forward pass start the thread pool, pick the kernels and set up this
-    // thread's state for waiting on the pool: nothing a later session allocates.
-    // A full batch and a partial one take every path of the pool a later forward pass takes.
+    // The first session and forward pass start the compute team and pick the kernels: nothing a
+    // later session allocates. A full batch and a partial one take every path a later forward
+    // pass takes.
     let mut warm =
         Session::new(Arc::clone(&model), 64, Precision::Exact, KvType::F32).expect("session");
     warm.forward_batch(&[1; 40]).expect("forward");
@@ -135,21 +130,16 @@ fn growing_and_releasing_the_kv_cache_moves_exactly_the_bytes_reported() {
         assert_eq!(want, 2 * block, "{kv}: two whole blocks");
         assert_eq!(s.kv_growth_bytes(2 * KV_BLOCK_TOKENS), 0);
 
-        // A forward pass inside the grown blocks allocates nothing that stays (but the pool's).
+        // A forward pass inside the grown blocks allocates nothing that stays (the compute team
+        // allocates nothing per region).
         let (_, live) = measure(|| s.forward_batch(&[1; 2 * KV_BLOCK_TOKENS]).map(|_| ()));
-        assert!(
-            (0..POOL_SLACK).contains(&live),
-            "{kv}: forward inside the blocks: {live}"
-        );
+        assert_eq!(live, 0, "{kv}: forward inside the blocks: {live}");
         // One past them grows by exactly one block, by itself.
         let next = s.kv_growth_bytes(1);
         assert_eq!(next, block);
         let (_, live) = measure(|| s.forward(2).map(|_| ()));
         let extra = live - next as i64;
-        assert!(
-            (0..POOL_SLACK).contains(&extra),
-            "{kv}: forward across a block: {live}"
-        );
+        assert_eq!(extra, 0, "{kv}: forward across a block: {live}");
         assert_eq!(s.bytes(), open + want + next);
 
         // reset keeps the blocks; release_kv frees them all.
@@ -214,9 +204,6 @@ fn sharing_a_prefix_allocates_what_its_holders_report_and_a_write_copies_what_is
         assert_eq!(live, want as i64, "{kv}: the copy of block 1");
         assert_eq!(adopter.bytes(), open_bytes + want, "{kv}");
         let (_, live) = measure(|| adopter.forward(5).map(|_| ()));
-        assert!(
-            (0..POOL_SLACK).contains(&live),
-            "{kv}: a copy in the pass: {live}"
-        );
+        assert_eq!(live, 0, "{kv}: a copy in the pass: {live}");
     }
 }

@@ -62,7 +62,7 @@ impl ChunkMath<'_> {
     }
 
     /// Computes every chunk in `chunks` (no chunk twice), whose stored bytes `bytes_of(c)` gives,
-    /// over the compute pool, adding their sum to `out` and writing the activations of their
+    /// over the compute team, adding their sum to `out` and writing the activations of their
     /// neurons into the layer's `h` (`n_ff` values). `partials` is scratch of `n_parts * d_model`
     /// values: the listed chunks are split in order into at most `n_parts` groups, one partial
     /// sum each ([`cpu::partial_sums`]). Returns the number of active neurons.
@@ -145,7 +145,7 @@ pub trait ChunkCompute: Send + std::fmt::Debug {
     ) -> crate::Result<usize>;
 }
 
-/// Chunk computations on the CPU compute pool, one unit per task.
+/// Chunk computations on the CPU compute team, one unit per chunk of work.
 #[derive(Debug, Default)]
 pub struct CpuChunks;
 
@@ -156,9 +156,14 @@ impl ChunkCompute for CpuChunks {
         units: &mut [Unit<'_>],
         bytes_of: &(dyn Fn(usize) -> &'b [u8] + Sync),
     ) -> crate::Result<usize> {
-        use rayon::prelude::*;
-        Ok(cpu::on_pool(|| {
-            units.par_iter_mut().map(|u| u.run(bytes_of)).sum()
-        }))
+        let active = AtomicUsize::new(0);
+        let shared = Disjoint::new(units);
+        cpu::for_each_chunk(shared.len(), 1, |r| {
+            // SAFETY: `for_each_chunk` hands out each unit once.
+            for u in unsafe { shared.range(r) } {
+                active.fetch_add(u.run(bytes_of), Ordering::Relaxed);
+            }
+        });
+        Ok(active.into_inner())
     }
 }

@@ -20,7 +20,7 @@ pub struct DenseFfn {
 impl DenseFfn {
     /// Buffers for `c`'s FFN.
     pub fn new(c: &ModelConfig) -> DenseFfn {
-        let parts = rayon::current_num_threads().max(1);
+        let parts = crate::backend::cpu::compute_threads().max(1);
         DenseFfn {
             activation: c.activation,
             h: vec![0.0; c.n_ff],

@@ -175,7 +175,7 @@ pub(crate) fn output_error(layer: &LayerWeights, h: &[f32], thr: f32, selected: 
     let n_ff = layer.ffn.gate.rows;
     let d = layer.ffn.gate.cols;
     let k = Kernels::best();
-    let parts = rayon::current_num_threads().max(1);
+    let parts = crate::backend::cpu::compute_threads().max(1);
     let mut partials = vec![0f32; parts * d];
     let mut acts = QuantizedActs::new(0);
     let (mut out, mut missing) = (vec![0f32; d], vec![0f32; n_ff]);

@@ -359,7 +359,7 @@ fn gate_up(
     let chunk = v
         .rows
         .len()
-        .div_ceil(4 * rayon::current_num_threads())
+        .div_ceil(4 * cpu::compute_threads())
         .max(cpu::FUSED_ROWS);
     cpu::for_each_chunk(v.rows.len(), chunk, |r| {
         for t0 in (0..n).step_by(TOKEN_GROUP) {

@@ -38,7 +38,7 @@ impl MmapFfn {
         MmapFfn {
             margins: vec![0.0; l.chunks_per_layer],
             h: vec![0.0; l.n_ff],
-            partials: vec![0.0; rayon::current_num_threads().max(1) * l.d_model],
+            partials: vec![0.0; crate::backend::cpu::compute_threads().max(1) * l.d_model],
             acts: QuantizedActs::new(l.d_model),
             selected: Vec::with_capacity(l.chunks_per_layer),
             measure_recall: false,

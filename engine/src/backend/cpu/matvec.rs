@@ -1,36 +1,31 @@
-//! Dense and gathered mat-vecs, split over the rayon pool in contiguous row ranges.
-
-use rayon::prelude::*;
+//! Dense and gathered mat-vecs, split over the compute team in contiguous row ranges.
 
 use std::marker::PhantomData;
 use std::ops::Range;
 
+use super::team::{self, for_each_chunk};
 use super::{Kernels, Precision, Prepared, QuantizedActs, TOKEN_GROUP};
 use crate::model::QRows;
 
-/// The fewest rows one rayon task gets: below this a task's bookkeeping costs about as much as its
+/// The fewest rows one chunk of work gets: below this a task's bookkeeping costs about as much as its
 /// dot products (64 rows × 576 values of Q4_1 is ~23 KB of weights, a few microseconds).
 pub const MIN_ROWS_PER_TASK: usize = 64;
 
-/// Rows per task for `n` rows: about four tasks per thread for load balance, never fewer than
+/// Rows per chunk for `n` rows: about four chunks per thread for load balance, never fewer than
 /// [`MIN_ROWS_PER_TASK`] rows.
 fn rows_per_task(n: usize) -> usize {
-    n.div_ceil(4 * rayon::current_num_threads())
-        .max(MIN_ROWS_PER_TASK)
+    n.div_ceil(4 * team::threads()).max(MIN_ROWS_PER_TASK)
 }
 
 /// `f(rows, out_chunk)` over consecutive chunks of `out` (`out_chunk` is `out[rows]`), on the
-/// calling thread if `out` is small, else over the pool.
+/// calling thread if `out` is small, else over the team.
 fn fill(out: &mut [f32], f: impl Fn(Range<usize>, &mut [f32]) + Sync) {
     let chunk = rows_per_task(out.len());
-    if chunk >= out.len() {
-        f(0..out.len(), out);
-    } else {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, os)| {
-            let base = c * chunk;
-            f(base..base + os.len(), os);
-        });
-    }
+    let shared = Disjoint::new(out);
+    for_each_chunk(shared.len(), chunk, |r| {
+        // SAFETY: `for_each_chunk` hands out each range once, and its ranges do not overlap.
+        f(r.clone(), unsafe { shared.range(r) })
+    });
 }
 
 /// The rows a mat-vec reads: every row in order, or a listed subset.
@@ -68,7 +63,7 @@ fn run(
     }
 }
 
-/// `f(rows, out[r])` over the pool for consecutive ranges `r` of `out`, `rows` being the rows
+/// `f(rows, out[r])` over the team for consecutive ranges `r` of `out`, `rows` being the rows
 /// of `rows` in that range. The rows [`QRows::rows_in`] and [`QRows::row`] give are exactly one
 /// row's bytes, so the kernels need no prefix check.
 fn each_range(
@@ -112,56 +107,24 @@ pub(super) fn matvec_rows(
 /// couple of microseconds of work.
 pub const FUSED_ROWS: usize = 32;
 
-/// Runs `f` on a thread of the compute pool (rayon's global pool) and returns its result.
-///
-/// A forward pass opens a few hundred parallel regions per token. Opened from a thread outside
-/// the pool, each region hands its work to the pool and puts the caller to sleep until it is
-/// done: two thread wake-ups per region, which cost SmolLM2 about a quarter of a 1-thread decode
-/// step (`perf record`: `try_to_wake_up`, `__schedule`, `sched_yield`). Opened on a pool thread,
-/// a region is a fork-join in which that thread does its share and idle threads steal the rest.
-/// So a forward pass runs whole on the pool: one hand-off per pass instead of one per region.
-/// On a pool thread already, `f` simply runs.
-pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if rayon::current_thread_index().is_some() {
-        return f();
-    }
-    // `scope` runs its body on a worker of the global pool and waits for it.
-    rayon::scope(|_| f())
-}
-
-/// Calls `f(range)` for consecutive ranges of `chunk` items covering `0..n`, as one region of
-/// the rayon pool (on the calling thread alone when `n <= chunk`).
-pub fn for_each_chunk(n: usize, chunk: usize, f: impl Fn(Range<usize>) + Sync) {
-    let chunk = chunk.max(1);
-    if n <= chunk {
-        if n > 0 {
-            f(0..n);
-        }
-        return;
-    }
-    (0..n.div_ceil(chunk))
-        .into_par_iter()
-        .for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)));
-}
-
-/// A mutable slice shared by the tasks of a parallel region, each of which writes disjoint
-/// ranges (for outputs that are not split into equal chunks, or several outputs per task).
+/// A mutable slice shared by the chunks of a parallel region, each of which writes disjoint
+/// ranges (for outputs that are not split into equal chunks, or several outputs per chunk).
 #[derive(Debug)]
-pub struct Disjoint<'a> {
-    ptr: *mut f32,
+pub struct Disjoint<'a, T = f32> {
+    ptr: *mut T,
     len: usize,
-    _borrow: PhantomData<&'a mut [f32]>,
+    _borrow: PhantomData<&'a mut [T]>,
 }
 
-// SAFETY: a `Disjoint` is a `&mut [f32]` split among threads; `range` requires its callers to take
-// non-overlapping ranges, so no element is accessed by two threads.
-unsafe impl Sync for Disjoint<'_> {}
+// SAFETY: a `Disjoint` is a `&mut [T]` split among threads, which needs `T: Send`; `range` requires
+// its callers to take non-overlapping ranges, so no element is accessed by two threads.
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
 // SAFETY: as above.
-unsafe impl Send for Disjoint<'_> {}
+unsafe impl<T: Send> Send for Disjoint<'_, T> {}
 
-impl<'a> Disjoint<'a> {
+impl<'a, T> Disjoint<'a, T> {
     /// Shares `s` for disjoint writes.
-    pub fn new(s: &'a mut [f32]) -> Self {
+    pub fn new(s: &'a mut [T]) -> Self {
         Disjoint {
             ptr: s.as_mut_ptr(),
             len: s.len(),
@@ -184,7 +147,7 @@ impl<'a> Disjoint<'a> {
     /// # Safety
     /// No two live results of `range` on the same `Disjoint` may overlap.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn range(&self, r: Range<usize>) -> &mut [f32] {
+    pub unsafe fn range(&self, r: Range<usize>) -> &mut [T] {
         assert!(
             r.start <= r.end && r.end <= self.len,
             "range {r:?} of {}",
@@ -224,7 +187,7 @@ pub(super) fn fused_matvecs<'m, 'o>(
         .map(|(m, _)| m.rows.div_ceil(FUSED_ROWS))
         .collect();
     let total: usize = counts.iter().sum();
-    let per_task = total.div_ceil(4 * rayon::current_num_threads()).max(1);
+    let per_task = total.div_ceil(4 * team::threads()).max(1);
     for_each_chunk(total, per_task, |items| {
         for mut i in items {
             let mut j = 0;

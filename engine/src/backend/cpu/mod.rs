@@ -1,5 +1,6 @@
-//! CPU kernels: dot products over quantised rows, mat-vecs split over the rayon pool, and the small
-//! dense f32 helpers of the forward pass.
+//! CPU kernels: dot products over quantised rows, mat-vecs split over the compute team (`team`: the
+//! persistent threads every parallel region of a forward pass runs on), and the small dense f32
+//! helpers of the forward pass.
 //!
 //! # Dispatch
 //! Every quantised kernel exists in a portable scalar version (`scalar`, the fallback on every
@@ -55,6 +56,7 @@ mod neon;
 mod partial;
 mod scalar;
 mod scalar_kquant;
+mod team;
 #[cfg(test)]
 mod tests;
 
@@ -65,8 +67,9 @@ use crate::quant::{DType, QK};
 
 pub use attend::{attend, attend_spans};
 pub use dense::{add_inplace, rmsnorm, rmsnorm_inplace, rope, silu_mul, softmax_inplace};
-pub use matvec::{Disjoint, for_each_chunk, on_pool};
+pub use matvec::Disjoint;
 pub use partial::{down_neurons, partial_sums};
+pub use team::{for_each_chunk, set_threads as set_compute_threads, threads as compute_threads};
 
 /// Activation precision of quantised dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -558,7 +561,7 @@ impl Kernels {
         by_rows(rows, xs, outs, dot8, self.dot[i]);
     }
 
-    /// Several mat-vecs over the same prepared input in one parallel region of the rayon pool:
+    /// Several mat-vecs over the same prepared input in one parallel region of the compute team:
     /// `out_j = m_j · x` for every job `(m_j, out_j)`. Work is handed out in [`FUSED_ROWS`]-row
     /// ranges. Results are the same as [`Kernels::rows_dot`] over each whole matrix.
     ///
@@ -665,7 +668,7 @@ pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
     Kernels::best().axpy(dtype, row, a, out)
 }
 
-/// `out[i] = dot(m.row(i), x)` for every row, split over the rayon pool in contiguous row ranges
+/// `out[i] = dot(m.row(i), x)` for every row, split over the compute team in contiguous row ranges
 /// (at least [`MIN_ROWS_PER_TASK`] rows each, so small matrices stay on the calling thread).
 /// With [`Precision::Fast`] and a quantised `m`, `x` is first quantised into `scratch` (which must
 /// have room for `x.len()` values to avoid an allocation).

@@ -1,4 +1,4 @@
-//! Sums split over the compute pool with one partial sum per task, added in a fixed order so that
+//! Sums split over the compute team with one partial sum per chunk, added in a fixed order so that
 //! the result never depends on scheduling: the neuron-major down projection
 //! ([`down_neurons`]) and the reduction under the pipeline's chunk kernels ([`partial_sums`]).
 
@@ -7,7 +7,7 @@ use crate::model::QRows;
 
 /// Splits the units `0..n` into contiguous groups of `ceil(n / parts)` units, where
 /// `parts = partials.len() / d` (one partial sum of `d` values per group), and computes the groups
-/// on the compute pool: each group's partial sum is zeroed, then `unit(i, acc)` adds unit `i`'s
+/// on the compute team: each group's partial sum is zeroed, then `unit(i, acc)` adds unit `i`'s
 /// share for the group's units in ascending order. Returns the partial sums of the non-empty
 /// groups, `(groups, d)` in group order (empty when `n == 0`), for the caller to add up in that
 /// order. The grouping depends on `n`, `d` and `partials.len()` only, so the sums are the same on
