@@ -203,7 +203,9 @@ pub async fn status(client: &Client, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        let counters = client.counters().await?;
+        // Only the load times come from the counters: a daemon without `Counters()` (an older
+        // one) still gets its report, with `-` for them.
+        let counters = client.counters().await.unwrap_or_default();
         print!("{}", format_status(&report, &counters));
     }
     Ok(())

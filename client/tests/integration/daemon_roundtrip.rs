@@ -323,6 +323,16 @@ fn cli_against_the_mock_daemon() {
         status.contains("tiny   leanstream   6.0 MiB  2.0 MiB"),
         "{status}"
     );
+    assert!(status.contains("LOADED IN"), "{status}");
+    assert!(status.contains("  1.50s\n"), "the load time from Counters(): {status}");
+    let out = cli(a, &["counters"], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let counters = text(&out.stdout);
+    assert!(counters.starts_with("COUNTER "), "{counters}");
+    assert!(counters.contains("model_load_ms.tiny"), "{counters}");
+    let out = cli(a, &["counters", "--json"], "");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("counters --json is JSON");
+    assert_eq!(v["requests.Memory"], 3);
     let out = cli(a, &["status", "--json"], "");
     let v: Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
     assert_eq!(v["budget_bytes"], 64u64 << 20);

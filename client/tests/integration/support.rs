@@ -266,6 +266,16 @@ impl MockManager {
         Ok(path)
     }
 
+    /// Counters: one model load of 1.5 s and some calls.
+    #[zbus(out_args("counters"))]
+    async fn counters(&self) -> HashMap<String, u64> {
+        HashMap::from([
+            ("model_load_ms.tiny".to_string(), 1500),
+            ("model_loads.tiny".to_string(), 1),
+            ("requests.Memory".to_string(), 3),
+        ])
+    }
+
     /// One struct argument on the wire, as the real daemon replies (a 1-tuple; a bare struct
     /// would be spread over its fields).
     #[zbus(out_args("report"))]
