@@ -324,7 +324,10 @@ fn cli_against_the_mock_daemon() {
         "{status}"
     );
     assert!(status.contains("LOADED IN"), "{status}");
-    assert!(status.contains("  1.50s\n"), "the load time from Counters(): {status}");
+    assert!(
+        status.contains("  1.50s\n"),
+        "the load time from Counters(): {status}"
+    );
     let out = cli(a, &["counters"], "");
     assert!(out.status.success(), "{}", text(&out.stderr));
     let counters = text(&out.stdout);
