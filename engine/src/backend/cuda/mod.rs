@@ -25,7 +25,6 @@ pub use kernels::{F32Ptr, GatheredChunks};
 pub use memory::HostRegistration;
 pub(crate) use memory::{download, download_into, upload, zeros};
 
-pub use crate::backend::launch::dtype_code;
 use crate::{Error, Result};
 
 /// The PTX of `cuda-kernels/ptx/`, by module name.
