@@ -378,7 +378,7 @@ fn gate_up(
             k.rows_dot_each(gm, r.start, xt, g);
             k.rows_dot_each(um, r.start, xt, u);
             for (g, u) in g.iter_mut().zip(u.iter()) {
-                activation.gate_inplace(g, u);
+                k.gate(activation, g, u);
             }
         }
     });

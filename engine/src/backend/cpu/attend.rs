@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use super::{Kernels, softmax_inplace};
+use super::Kernels;
 use crate::kv::{KvRows, KvSpan};
 use crate::quant::{DType, QK};
 
@@ -60,7 +60,7 @@ pub fn attend_spans<'a>(
         "the KV spans hold fewer positions than scores"
     );
     scores[..first].fill(0.0);
-    softmax_inplace(&mut scores[first..]);
+    k.softmax(&mut scores[first..]);
     out.fill(0.0);
     let mut at = 0;
     for span in spans {

@@ -12,6 +12,7 @@
 
 mod kquant;
 mod kquant_rows;
+mod math;
 mod rows;
 
 use std::arch::x86_64::*;
@@ -27,6 +28,7 @@ use kquant_rows::{
     q2_k_q8_x8, q2_k_q8_x8_vnni, q3_k_q8_x8, q3_k_q8_x8_vnni, q4_k_q8_x8, q4_k_q8_x8_vnni,
     q5_k_q8_x8, q5_k_q8_x8_vnni, q6_k_q8_x8, q6_k_q8_x8_vnni,
 };
+use math::{exp_shifted, gelu_mul, silu_mul};
 use rows::{
     dot_q4_1_x8, q4_0_q8_x8, q4_0_q8_x8_vnni, q4_1_q8_x8, q4_1_q8_x8_vnni, q5_0_q8_x8,
     q5_0_q8_x8_vnni, q5_1_q8_x8, q5_1_q8_x8_vnni, q8_0_q8_x8, q8_0_q8_x8_vnni,
@@ -173,6 +175,11 @@ const AVX2: Kernels = Kernels {
         Some(table::dot_q6_k_tokens),
     ],
     quantize: table::quantize,
+    math: super::Transcendentals {
+        silu_mul: table::silu_mul,
+        gelu_mul: table::gelu_mul,
+        exp_shifted: table::exp_shifted,
+    },
 };
 
 /// Plain-fn wrappers for the table.
@@ -244,6 +251,9 @@ mod table {
         fn dot_q5_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
         fn dot_q6_k_tokens(row: &[u8], xs: &[&[f32]], out: &mut [f32]);
         fn quantize(x: &[f32], out: &mut [Q8Block]);
+        fn silu_mul(gate: &mut [f32], up: &[f32]);
+        fn gelu_mul(gate: &mut [f32], up: &[f32]);
+        fn exp_shifted(x: &mut [f32], shift: f32) -> f32;
     }
 }
 

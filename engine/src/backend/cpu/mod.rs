@@ -11,6 +11,10 @@
 //! on first use, and cached as a table of function pointers ([`Kernels`]). Nothing is compiled
 //! with `target-cpu=native`; the SIMD functions carry `#[target_feature]`.
 //!
+//! Each table also holds the elementwise kernels that take an exponential per value (the SiLU
+//! and GeGLU gates, softmax): the SIMD tables evaluate `e^x` as a polynomial in vector lanes
+//! (`expf`, within 2 ulp), the scalar table calls `f32::exp`.
+//!
 //! Every table covers every [`DType`]. The k-quant super-blocks go through their one decoded
 //! form (per 16 values a float scale and min, per value an i8 quant: `scalar_kquant`,
 //! `avx2/kquant.rs`, `neon/kquant.rs`). The NEON kernels are tested under QEMU
@@ -50,6 +54,7 @@ mod attend;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod dense;
+mod expf;
 mod matvec;
 #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
 mod neon;
@@ -62,7 +67,7 @@ mod tests;
 
 use std::sync::OnceLock;
 
-use crate::model::QRows;
+use crate::model::{FfnActivation, QRows};
 use crate::quant::{DType, QK};
 
 pub use attend::{attend, attend_spans};
@@ -247,6 +252,18 @@ pub(crate) type AxpyFn = fn(&[u8], f32, &mut [f32]);
 /// Quantises `x` into `out` (`out.len() == x.len().div_ceil(32)`).
 pub(crate) type QuantizeFn = fn(&[f32], &mut [Q8Block]);
 
+/// The elementwise kernels that take an exponential per value: the gated FFN's activation step
+/// and softmax's exponentials (see `expf` for the vector `e^x` the SIMD tables use).
+#[derive(Debug)]
+pub(crate) struct Transcendentals {
+    /// `gate[i] = silu(gate[i]) * up[i]`; the slices have one length.
+    pub silu_mul: fn(&mut [f32], &[f32]),
+    /// `gate[i] = gelu_tanh(gate[i]) * up[i]`; the slices have one length.
+    pub gelu_mul: fn(&mut [f32], &[f32]),
+    /// `x[i] = e^(x[i] - shift)`, returning the sum of the results.
+    pub exp_shifted: fn(&mut [f32], f32) -> f32,
+}
+
 /// A table of kernels for one instruction set. Obtain one with [`Kernels::best`] (what the free
 /// functions of this module use) or [`Kernels::scalar`] (to compare or benchmark).
 ///
@@ -271,6 +288,7 @@ pub struct Kernels {
     /// Indexed by [`dtype_index`].
     axpy: [AxpyFn; DType::ALL.len()],
     quantize: QuantizeFn,
+    math: Transcendentals,
 }
 
 /// Asks the CPU to start loading `bytes` into its caches (a hint: nothing is read, nothing can
@@ -416,6 +434,31 @@ impl Kernels {
     /// Instruction set name, e.g. `"avx2+fma+f16c"`, `"neon+dotprod"` or `"scalar"`.
     pub fn name(&self) -> &'static str {
         self.name
+    }
+
+    /// The gated FFN's elementwise step, `gate[i] = act(gate[i]) * up[i]`: on the SIMD tables
+    /// through the vector `e^x` (within 2 ulp of it; see `expf`), on the scalar table
+    /// [`FfnActivation::gate_inplace`] itself.
+    ///
+    /// Panics unless both slices have the same length.
+    pub fn gate(&self, activation: FfnActivation, gate: &mut [f32], up: &[f32]) {
+        assert_eq!(gate.len(), up.len(), "gate and up lengths");
+        match activation {
+            FfnActivation::Silu => (self.math.silu_mul)(gate, up),
+            FfnActivation::GeluTanh => (self.math.gelu_mul)(gate, up),
+            FfnActivation::Relu => activation.gate_inplace(gate, up),
+        }
+    }
+
+    /// Softmax in place, shifted by the maximum for stability; an empty slice is left alone. On
+    /// the scalar table, [`softmax_inplace`]'s numbers.
+    pub fn softmax(&self, x: &mut [f32]) {
+        if x.is_empty() {
+            return;
+        }
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let inv = 1.0 / (self.math.exp_shifted)(x, max);
+        x.iter_mut().for_each(|v| *v *= inv);
     }
 
     /// The integer kernel of `dtype` ([`Precision::Fast`]), or `None` for the float types.

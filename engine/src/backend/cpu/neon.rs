@@ -21,10 +21,11 @@
 mod blocks;
 mod float;
 mod kquant;
+mod math;
 mod quantize;
 mod simd;
 
-use super::{AxpyFn, DotFn, Kernels, Q8Block};
+use super::{AxpyFn, DotFn, Kernels, Q8Block, Transcendentals};
 use crate::quant::DType;
 
 /// The best NEON table this CPU supports: `neon+dotprod`, else `neon`, else none.
@@ -78,6 +79,13 @@ const AXPY: [AxpyFn; DType::ALL.len()] = [
     table::axpy_q6_k,
 ];
 
+/// The exponential kernels (shared by both tables).
+const MATH: Transcendentals = Transcendentals {
+    silu_mul: table::silu_mul,
+    gelu_mul: table::gelu_mul,
+    exp_shifted: table::exp_shifted,
+};
+
 static NEON: Kernels = Kernels {
     name: "neon",
     dot: DOT,
@@ -101,6 +109,7 @@ static NEON: Kernels = Kernels {
     dot_x8: super::NO_EXACT_ROW_GROUPS,
     dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
+    math: MATH,
 };
 
 static NEON_DOTPROD: Kernels = Kernels {
@@ -126,12 +135,13 @@ static NEON_DOTPROD: Kernels = Kernels {
     dot_x8: super::NO_EXACT_ROW_GROUPS,
     dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
+    math: MATH,
 };
 
 /// Plain-fn wrappers of the NEON kernels, for both tables.
 mod table {
     use super::Q8Block;
-    use super::{blocks, float, kquant, quantize as q};
+    use super::{blocks, float, kquant, math, quantize as q};
 
     macro_rules! wrap {
         ($(fn $name:ident = $kernel:path, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?;)*) => {$(
@@ -182,6 +192,9 @@ mod table {
         fn axpy_q5_k = kquant::axpy_q5_k, (row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q6_k = kquant::axpy_q6_k, (row: &[u8], a: f32, out: &mut [f32]);
         fn quantize = q::quantize, (x: &[f32], out: &mut [Q8Block]);
+        fn silu_mul = math::silu_mul, (gate: &mut [f32], up: &[f32]);
+        fn gelu_mul = math::gelu_mul, (gate: &mut [f32], up: &[f32]);
+        fn exp_shifted = math::exp_shifted, (x: &mut [f32], shift: f32) -> f32;
     }
 }
 

@@ -6,6 +6,7 @@ use half::{bf16, f16};
 
 use super::scalar_kquant as k;
 use super::{Kernels, Q8Block};
+use crate::model::FfnActivation;
 use crate::quant::QK;
 use crate::quant::kquant::q5;
 
@@ -61,7 +62,27 @@ pub(super) static KERNELS: Kernels = Kernels {
         k::axpy_q6_k,
     ],
     quantize,
+    math: super::Transcendentals {
+        silu_mul: super::silu_mul,
+        gelu_mul,
+        exp_shifted,
+    },
 };
+
+/// GeGLU's elementwise step, one `f32::exp` per value.
+fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    FfnActivation::GeluTanh.gate_inplace(gate, up);
+}
+
+/// `x[i] = e^(x[i] - shift)` with `f32::exp`, summed in order.
+fn exp_shifted(x: &mut [f32], shift: f32) -> f32 {
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - shift).exp();
+        sum += *v;
+    }
+    sum
+}
 
 #[inline]
 fn f16_at(b: &[u8], at: usize) -> f32 {
