@@ -27,7 +27,8 @@ fn tiny_with_eos(dir: &Path, eos: Option<u32>) -> PathBuf {
 /// `leanstream run --json` on `model` with `extra` arguments, greedy, prompt `abc def`.
 fn run(model: &Path, extra: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_leanstream"))
-        .args(["run", "--model", model.to_str().unwrap(), "--json"])
+        .args(["run", "--json", "--model"])
+        .arg(model)
         .args(["--prompt", "abc def", "--temperature", "0"])
         .args(extra)
         .output()
