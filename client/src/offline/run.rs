@@ -1,6 +1,7 @@
 //! `leanstream run`: load a model in-process and generate, streaming text to stdout.
 
 use std::io::Write;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -12,12 +13,14 @@ use leanstream_engine::constrain::{ConstraintVocab, Grammar, GrammarKind};
 
 use leanstream_engine::forward::Model;
 use leanstream_engine::generate::speculate::{DraftKind, MAX_DRAFT};
-use leanstream_engine::generate::{Decode, SpeculateMode, generate_constrained, speculation_for};
+use leanstream_engine::generate::{
+    Decode, SpeculateMode, generate, generate_constrained, speculation_for,
+};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, Policy, WithFfn, open_decoder};
 use leanstream_engine::plan::PlacementPolicy;
 use leanstream_engine::sample::SamplerConfig;
-use leanstream_engine::tokenizer::TextStream;
+use leanstream_engine::tokenizer::{TextStream, Tokenizer};
 use serde_json::json;
 
 use super::PrecisionArg;
@@ -36,6 +39,22 @@ pub struct RunArgs {
     /// Most tokens to generate (generation also stops at end-of-sequence).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Generate exactly `--max-tokens` tokens: end-of-sequence does not stop the generation
+    /// (for benchmarks, so every run times the same number of decode passes, as llama-bench's
+    /// `-n` does).
+    #[arg(long, conflicts_with_all = ["json_schema", "grammar"])]
+    pub ignore_eos: bool,
+    /// Cut or repeat the prompt to exactly N tokens: its text is repeated (space-separated)
+    /// until it tokenises to at least N, then the ids are cut to N (for benchmarks, so the
+    /// prefill runs the same length on every tokenizer, as llama-bench's `-p N` does).
+    #[arg(long, value_name = "N")]
+    pub prompt_tokens: Option<NonZeroUsize>,
+    /// Before the timed generation, run the prompt and one decode pass untimed, then rewind the
+    /// session to empty (for benchmarks: threads started, weights and code in cache, as after
+    /// llama-bench's warm-up run). The `stream` and `sparse` byte counters of `--json` include
+    /// it.
+    #[arg(long)]
+    pub warmup: bool,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
@@ -157,7 +176,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         args.prompt.clone()
     };
-    let prompt_ids = model.tokenizer.encode(&text)?;
+    let prompt_ids = match args.prompt_tokens {
+        Some(n) => prompt_of_length(&model.tokenizer, &text, n.get())?,
+        None => model.tokenizer.encode(&text)?,
+    };
     // A context given is checked by the session; the default is clipped to the model's.
     let context = args.context.unwrap_or_else(|| {
         let default = if args.memory_budget.is_some() {
@@ -195,11 +217,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         seed: args.seed,
         ..Default::default()
     };
+    if args.warmup {
+        warm_up(session, &prompt_ids, &sampler)?;
+    }
     let setup = Instant::now();
     let grammar = load_grammar(&args, &model)?;
     let mut constraint = grammar.as_ref().map(Grammar::start);
     let constraint_setup = setup.elapsed();
     let eos = model.tokenizer.specials().eos.clone();
+    let stop_ids: &[u32] = if args.ignore_eos { &[] } else { &eos };
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();
     let mut failure = None;
@@ -216,7 +242,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         &prompt_ids,
         args.max_tokens,
         &sampler,
-        &eos,
+        stop_ids,
         constraint.as_mut(),
         speculation_for(&model, args.speculate, MAX_DRAFT),
         |id| {
@@ -353,6 +379,40 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             leanstream_engine::backend::cpu::kernel_name(),
         );
     }
+    Ok(())
+}
+
+/// `text` tokenised to exactly `n` ids: as many copies of it, a space between them, as make at
+/// least `n` tokens, cut to `n`. Repeating the text rather than the ids keeps a tokenizer's
+/// beginning-of-sequence id at the start only.
+fn prompt_of_length(tokenizer: &Tokenizer, text: &str, n: usize) -> anyhow::Result<Vec<u32>> {
+    let (mut copies, mut shorter) = (1, 0);
+    loop {
+        let mut ids = tokenizer.encode(&vec![text; copies].join(" "))?;
+        if ids.len() >= n {
+            ids.truncate(n);
+            return Ok(ids);
+        }
+        anyhow::ensure!(
+            ids.len() > shorter,
+            "the prompt {text:?} adds no tokens when repeated; it cannot make {n} tokens"
+        );
+        shorter = ids.len();
+        // Enough copies at the rate these made tokens (usually the last encoding).
+        copies = (copies * n).div_ceil(ids.len()).max(copies + 1);
+    }
+}
+
+/// Runs `prompt` and one decode pass on `session`, untimed, and rewinds it to where it was: a
+/// benchmark's warm-up.
+fn warm_up(
+    session: &mut dyn Decode,
+    prompt: &[u32],
+    sampler: &SamplerConfig,
+) -> anyhow::Result<()> {
+    let start = session.position();
+    generate(session, prompt, 2, sampler, &[], |_| true).context("warming up")?;
+    session.rewind(start)?;
     Ok(())
 }
 

@@ -15,7 +15,8 @@ use leanstream_engine::model::lsm;
 use leanstream_engine::plan::{Floor, PIECE_BYTES, Part, Placement, Plan, pieces};
 use leanstream_engine::quant::DType;
 
-const CONTEXT: usize = 64;
+/// Room for a prompt longer than one batch.
+const CONTEXT: usize = 2 * MAX_BATCH;
 const TOKENS: [u32; 5] = [1, 40, 41, 100, 7];
 
 /// A tiny model deep enough that three layers (the ring) are much less than the model: 12

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use leanstream_engine::backend::cpu::Precision;
-use leanstream_engine::forward::{Model, Session, forward_each};
+use leanstream_engine::forward::{MAX_BATCH, Model, Session, forward_each};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::model::{gguf, lsm, safetensors};
@@ -354,9 +354,13 @@ fn forward_each_rejects_mismatched_batches_before_any_work() {
             .contains("1 pieces of 1 tokens for 2 sessions"),
         "{err}"
     );
-    let long = [1u32; 20];
-    let err = forward_each(&mut [&mut s1, &mut s2], &[&long, &long]).expect_err("40 tokens");
-    assert!(err.to_string().contains("at most 32 tokens"), "{err}");
+    let long = [1u32; MAX_BATCH / 2 + 1];
+    let err = forward_each(&mut [&mut s1, &mut s2], &[&long, &long]).expect_err("too many");
+    assert!(
+        err.to_string()
+            .contains(&format!("at most {MAX_BATCH} tokens")),
+        "{err}"
+    );
     let err = forward_each(&mut [&mut s1, &mut s2], &[&[1], &[]]).expect_err("empty piece");
     assert!(err.to_string().contains("is empty"), "{err}");
     let mut other_model = open(&b, Precision::Exact);
