@@ -267,7 +267,18 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
                 .map_err(Into::into)
             {
                 Ok(()) => {
-                    let path = loader.manager.open_session("stream", 64).await?;
+                    // The model fitted, but its session may not: the talkers' sessions hold the
+                    // rest. A refused open is a refusal like a refused load.
+                    let path = match loader.manager.open_session("stream", 64).await {
+                        Ok(path) => path,
+                        Err(e) if error_name::<()>(Err(e.clone())) == "OverBudget" => {
+                            loader.manager.unload_model("stream").await?;
+                            refused_loads += 1;
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
                     let s = session_proxy(&loader.conn, path).await?;
                     let out = read_stream(s.generate("Hello", &greedy(4)).await?).await?;
                     anyhow::ensure!(out.end.is_some(), "the streaming session's stream ended");
