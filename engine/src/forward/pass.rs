@@ -115,12 +115,9 @@ impl Pass<'_> {
             }
             let s = &mut *self.work;
             let (x, xn, out) = (&mut s.x[..n * d], &mut s.xn[..n * d], &mut s.proj[..n * d]);
-            for (xn, x) in xn.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                cpu::rmsnorm(xn, x, &layer.ffn_norm, eps);
-            }
+            norm_each_row(xn, x, &layer.ffn_norm, eps);
             exec.ffn_rows(l, layer, xn, out)?;
-            norm_rows(&layer.post_ffn_norm, out, d, eps);
-            cpu::add_inplace(x, out);
+            add_normed_rows(x, out, d, &layer.post_ffn_norm, eps);
         }
         Ok(true)
     }
@@ -184,9 +181,12 @@ impl Pass<'_> {
         let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
         let (n, p) = (self.rows.len(), self.precision);
         let (k, s) = (self.kernels, &mut *self.work);
-        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
-            cpu::rmsnorm(xn, x, &layer.attn_norm, c.rms_eps);
-        }
+        norm_each_row(
+            &mut s.xn[..n * d],
+            &s.x[..n * d],
+            &layer.attn_norm,
+            c.rms_eps,
+        );
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
         let (q, kk, v) = (
             &mut s.q[..n * q_dim],
@@ -204,15 +204,34 @@ impl Pass<'_> {
             }
             k.matmat_jobs(x, n, jobs);
         })?;
-        for (t, row) in self.rows.iter().enumerate() {
-            let rope = s.rope_range(l, t);
+        // Biases, QK-norms and RoPE, row by row over the team; then each row's key and value
+        // go to its cache at its position, in the cache's type.
+        let ropes: [Range<usize>; MAX_BATCH] =
+            std::array::from_fn(|t| if t < n { s.rope_range(l, t) } else { 0..0 });
+        {
             let (q, kk, v) = (
-                &mut s.q[t * q_dim..(t + 1) * q_dim],
-                &mut s.k[t * kv_dim..(t + 1) * kv_dim],
-                &mut s.v[t * kv_dim..(t + 1) * kv_dim],
+                Disjoint::new(&mut s.q[..n * q_dim]),
+                Disjoint::new(&mut s.k[..n * kv_dim]),
+                Disjoint::new(&mut s.v[..n * kv_dim]),
             );
-            finish_qkv(c, layer, &s.rope[rope], q, kk, v);
-            // KV cache write at this row's position, in its cache's type.
+            let rope = &s.rope;
+            each_row(n, |t| {
+                // SAFETY: each row is handed out once, and row `t` owns these ranges.
+                let (q, kk, v) = unsafe {
+                    (
+                        q.range(t * q_dim..(t + 1) * q_dim),
+                        kk.range(t * kv_dim..(t + 1) * kv_dim),
+                        v.range(t * kv_dim..(t + 1) * kv_dim),
+                    )
+                };
+                finish_qkv(c, layer, &rope[ropes[t].clone()], q, kk, v);
+            });
+        }
+        for (t, row) in self.rows.iter().enumerate() {
+            let (kk, v) = (
+                &s.k[t * kv_dim..(t + 1) * kv_dim],
+                &s.v[t * kv_dim..(t + 1) * kv_dim],
+            );
             self.seats[row.seat].kv.write(l, row.pos, kk, v);
         }
 
@@ -255,8 +274,13 @@ impl Pass<'_> {
         pieces.each(&[Part::O], &mut |views| {
             k.matmat_jobs(x, n, pieces_into(views, Part::O, &mut *proj, d));
         })?;
-        norm_rows(&layer.post_attn_norm, &mut s.proj[..n * d], d, c.rms_eps);
-        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+        add_normed_rows(
+            &mut s.x[..n * d],
+            &mut s.proj[..n * d],
+            d,
+            &layer.post_attn_norm,
+            c.rms_eps,
+        );
         Ok(())
     }
 
@@ -268,9 +292,12 @@ impl Pass<'_> {
         let layer = &self.model.weights.layers[l];
         let (d, n_ff, p, n) = (c.d_model, c.n_ff, self.precision, self.rows.len());
         let (k, s) = (self.kernels, &mut *self.work);
-        for (xn, x) in s.xn.chunks_exact_mut(d).zip(s.x.chunks_exact(d)).take(n) {
-            cpu::rmsnorm(xn, x, &layer.ffn_norm, c.rms_eps);
-        }
+        norm_each_row(
+            &mut s.xn[..n * d],
+            &s.x[..n * d],
+            &layer.ffn_norm,
+            c.rms_eps,
+        );
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
         let (gate, up) = (&mut s.gate[..n * n_ff], &mut s.up[..n * n_ff]);
         let (proj, partials) = (&mut s.proj[..n * d], &mut s.partials);
@@ -303,10 +330,46 @@ impl Pass<'_> {
         pieces.each(&[Part::Down], &mut |views| {
             k.matmat_jobs(acts, n, pieces_into(views, Part::Down, &mut *proj, d));
         })?;
-        norm_rows(&layer.post_ffn_norm, &mut s.proj[..n * d], d, c.rms_eps);
-        cpu::add_inplace(&mut s.x[..n * d], &s.proj[..n * d]);
+        add_normed_rows(
+            &mut s.x[..n * d],
+            &mut s.proj[..n * d],
+            d,
+            &layer.post_ffn_norm,
+            c.rms_eps,
+        );
         Ok(())
     }
+}
+
+/// Calls `f(t)` for every row `t` of a batch of `n`, the rows split over the compute team: a
+/// prompt's elementwise steps (norms, RoPE, residual adds) would otherwise run on one thread.
+/// A single row (a decode step) runs on the caller.
+fn each_row(n: usize, f: impl Fn(usize) + Sync) {
+    cpu::for_each_chunk(n, 1, |rows| rows.for_each(&f));
+}
+
+/// `xn[t] = rmsnorm(x[t]) · weight` for every row of `weight.len()` values, over the team.
+fn norm_each_row(xn: &mut [f32], x: &[f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    let xn = Disjoint::new(xn);
+    each_row(x.len() / d, |t| {
+        // SAFETY: each row is handed out once, and row `t` owns these values.
+        let xn = unsafe { xn.range(t * d..(t + 1) * d) };
+        cpu::rmsnorm(xn, &x[t * d..(t + 1) * d], weight, eps);
+    });
+}
+
+/// `x[t] += norm(out[t])` for every row of `d` values (`norm`: a sub-block's post-norm where the
+/// model has one, applied to `out` in place), over the team.
+fn add_normed_rows(x: &mut [f32], out: &mut [f32], d: usize, norm: &Option<Vec<f32>>, eps: f32) {
+    assert_eq!(x.len(), out.len(), "residual and output rows");
+    let (x, out) = (Disjoint::new(x), Disjoint::new(out));
+    each_row(out.len() / d, |t| {
+        // SAFETY: each row is handed out once, and row `t` owns these values.
+        let (x, out) = unsafe { (x.range(t * d..(t + 1) * d), out.range(t * d..(t + 1) * d)) };
+        norm_rows(norm, out, d, eps);
+        cpu::add_inplace(x, out);
+    });
 }
 
 /// The matrix-times-batch jobs of the `part` pieces among `views`: each piece's rows of every
