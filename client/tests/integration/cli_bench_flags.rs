@@ -9,6 +9,8 @@ use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::quant::DType;
 use serde_json::Value;
 
+use crate::support::ids;
+
 /// A tiny model whose end-of-sequence id is `eos` (the weights do not depend on it).
 fn tiny_with_eos(dir: &Path, eos: Option<u32>) -> PathBuf {
     let mut m = TinyLlama::new(21);
@@ -39,14 +41,6 @@ fn run(model: &Path, extra: &[&str]) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect()
 }
 
 #[test]

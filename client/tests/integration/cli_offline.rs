@@ -8,6 +8,8 @@ use leanstream_engine::model::gguf::TinyLlama;
 use leanstream_engine::quant::DType;
 use serde_json::Value;
 
+use crate::support::ids;
+
 fn real_gguf() -> PathBuf {
     leanstream_engine::testing::real_model()
 }
@@ -33,14 +35,6 @@ fn err_text(args: &[&str]) -> String {
     let out = leanstream(args);
     assert!(!out.status.success(), "{args:?} should fail");
     String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect()
 }
 
 #[test]

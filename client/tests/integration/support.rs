@@ -120,6 +120,15 @@ pub fn cli(address: &str, args: &[&str], stdin: &str) -> Output {
 }
 
 /// Lossy UTF-8 of a process's output.
+/// The ids of a JSON array of token ids (`run --json`'s `ids` and `prompt_ids`).
+pub fn ids(v: &serde_json::Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect()
+}
+
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }

@@ -70,21 +70,9 @@ pub(super) fn gelu_mul(g: f32, u: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::tests::Rng;
     use crate::backend::cpu::{Kernels, softmax_inplace};
     use crate::model::FfnActivation;
-
-    /// Values spread over `-r..r` (a fixed sequence).
-    fn values(n: usize, r: f32, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * r
-            })
-            .collect()
-    }
 
     /// Ulps between `got` and the f64 value `want`, measured in f32 ulps at `want`.
     fn ulps(got: f32, want: f64) -> f64 {
@@ -126,7 +114,7 @@ mod tests {
     fn the_gates_are_within_their_bound_of_f64() {
         let k = |g: f64| (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044_715 * g * g * g);
         let eps = f64::from(f32::EPSILON);
-        for g in values(100_000, 30.0, 1) {
+        for g in Rng(1).vec(100_000, 30.0) {
             let g64 = f64::from(g);
             let silu = (g64 / (1.0 + (-g64).exp()), -g64);
             let gelu = (g64 / (1.0 + (-2.0 * k(g64)).exp()), -2.0 * k(g64));
@@ -154,8 +142,8 @@ mod tests {
         for k in Kernels::supported() {
             let simd = k.name() != "scalar";
             for n in 0..41 {
-                let g = values(n, 40.0, n as u64 + 7);
-                let u = values(n, 2.0, n as u64 + 99);
+                let g = Rng(n as u64 + 7).vec(n, 40.0);
+                let u = Rng(n as u64 + 99).vec(n, 2.0);
                 for act in [FfnActivation::Silu, FfnActivation::GeluTanh] {
                     let mut got = g.clone();
                     k.gate(act, &mut got, &u);
@@ -197,7 +185,7 @@ mod tests {
     fn softmax_of_every_table_matches_f64() {
         for k in Kernels::supported() {
             for n in [1, 3, 8, 9, 64, 1001] {
-                let x = values(n, 20.0, n as u64);
+                let x = Rng(n as u64).vec(n, 20.0);
                 let mut s = x.clone();
                 k.softmax(&mut s);
                 let max = x.iter().fold(f64::MIN, |m, v| m.max(f64::from(*v)));
@@ -218,7 +206,7 @@ mod tests {
             k.softmax(&mut empty);
         }
         // The scalar table's softmax is the plain one's, bit for bit.
-        let x = values(77, 10.0, 5);
+        let x = Rng(5).vec(77, 10.0);
         let (mut a, mut b) = (x.clone(), x);
         Kernels::scalar().softmax(&mut a);
         softmax_inplace(&mut b);

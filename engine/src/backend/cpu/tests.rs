@@ -23,7 +23,7 @@ fn tables() -> Vec<&'static Kernels> {
 }
 
 /// SplitMix64: small, seeded, good enough for test data.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -39,7 +39,8 @@ impl Rng {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+    /// `n` values uniform in [-scale, scale).
+    pub(super) fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.unit() * scale).collect()
     }
 }
