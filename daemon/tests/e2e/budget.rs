@@ -280,11 +280,20 @@ fn the_process_stays_within_its_budget_while_clients_generate_and_models_come_an
                         Err(e) => return Err(e.into()),
                     };
                     let s = session_proxy(&loader.conn, path).await?;
-                    let out = read_stream(s.generate("Hello", &greedy(4)).await?).await?;
-                    anyhow::ensure!(out.end.is_some(), "the streaming session's stream ended");
+                    // The session opened, but growing it for the prompt may not fit either.
+                    match s.generate("Hello", &greedy(4)).await {
+                        Ok(fd) => {
+                            let out = read_stream(fd).await?;
+                            anyhow::ensure!(out.end.is_some(), "the streaming session's stream ended");
+                            cycles += 1;
+                        }
+                        Err(e) if error_name::<()>(Err(e.clone())) == "OverBudget" => {
+                            refused_loads += 1;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
                     s.close().await?;
                     loader.manager.unload_model("stream").await?;
-                    cycles += 1;
                 }
                 Err(leanstream::contract::LeanStreamError::OverBudget(_)) => {
                     refused_loads += 1;
