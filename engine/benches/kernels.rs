@@ -5,6 +5,8 @@
 //! super-blocks): 576 rows (its down projection: the weights stay in cache, so this is the
 //! kernels' compute speed) and 32768 rows (an output head: tens of MB read from memory, so this
 //! is the speed against the bandwidth bound; compare with `target/release/examples/membw`).
+//! `.../Fast/tiles` is the best table on the same matrix stored as tiles (what a load for the
+//! fast path stores for the 32-value block types).
 //! `matmat16/...` runs a batch of 16 tokens through the best table (counted as 16 reads of the
 //! weights, so its GB/s compare with the one-token figures).
 //! Run: `cargo bench -p leanstream-engine --bench kernels` (add `-- --quick` for a short pass, or
@@ -16,7 +18,7 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use leanstream_engine::backend::cpu::{Kernels, Precision, QuantizedActs};
 use leanstream_engine::model::{QRows, TensorBytes};
-use leanstream_engine::quant::{DType, quantize_row};
+use leanstream_engine::quant::{DType, quantize_row, tiles};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -60,9 +62,28 @@ fn matvec(c: &mut Criterion) {
                     });
                 }
             }
+            if tiles::tiles(dtype) {
+                let t = tiled(&m);
+                let k = Kernels::best();
+                group.bench_function(format!("{}/Fast/tiles", k.name()), |b| {
+                    b.iter(|| {
+                        k.matvec(&t, black_box(&x), &mut out, Precision::Fast, &mut scratch);
+                        black_box(&out);
+                    })
+                });
+            }
             group.finish();
         }
     }
+}
+
+/// `m` stored as tiles, as a load for the fast kernels stores it.
+fn tiled(m: &QRows) -> QRows {
+    let mut bytes = m.backing().as_slice().to_vec();
+    tiles::tile_matrix_in_place(m.dtype, m.rows, &mut bytes);
+    QRows::contiguous(m.dtype, m.rows, m.cols, TensorBytes::from_vec(bytes))
+        .and_then(|q| q.as_tiled())
+        .expect("a tileable matrix")
 }
 
 /// A batch of [`TOKENS`] tokens through each matrix (a prefill step): every group of rows is read

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use crate::backend::cpu::{self, Kernels, Precision};
 use crate::kv::{KvCache, KvType};
 use crate::model::{LayerWeights, ModelConfig, Weights};
+use crate::quant::DType;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 #[cfg(feature = "cuda")]
@@ -64,6 +65,29 @@ impl Model {
     /// Loads a GGUF file, a safetensors directory or a `.lsm` file.
     pub fn load(path: &Path) -> Result<Arc<Model>> {
         Model::load_in_pieces(path, crate::plan::PIECE_BYTES)
+    }
+
+    /// [`Model::load`] in the layout that is fastest for sessions of `precision` on this CPU:
+    /// for [`Precision::Fast`], the matrices whose eight-row kernels read tiles
+    /// ([`Kernels::reads_tiles`]) stored as tiles ([`crate::quant::tiles`]); for
+    /// [`Precision::Exact`], as rows. Either model computes the same bits in either precision;
+    /// an exact session on tiles untiles each group of eight rows as it reads it, which is
+    /// slower.
+    pub fn load_for(path: &Path, precision: Precision) -> Result<Arc<Model>> {
+        let k = Kernels::best();
+        if precision == Precision::Exact || !DType::ALL.iter().any(|&d| k.reads_tiles(d)) {
+            return Model::load(path);
+        }
+        let (weights, tokenizer, chat_template) =
+            crate::model::load_tiled(path, &|d| k.reads_tiles(d))?;
+        Ok(Arc::new(Model {
+            path: path.to_path_buf(),
+            weights,
+            tokenizer,
+            chat_template,
+            planned: None,
+            piece_bytes: crate::plan::PIECE_BYTES,
+        }))
     }
 
     /// [`Model::load`], the layers computed in pieces of at most `piece_bytes` (what a planned

@@ -57,7 +57,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
             args.kv_type,
             leanstream_engine::plan::PlacementPolicy::Dense,
         )?,
-        None => Model::load(&args.model)?,
+        None => Model::load_for(&args.model, args.precision.into())?,
     };
     let mut ids = model.tokenizer.encode(&text)?;
     if args.tokens > 0 {

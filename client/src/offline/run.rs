@@ -169,7 +169,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             m
         }
-        None => Model::load(&args.model)?,
+        None => Model::load_for(&args.model, args.precision.into())?,
     };
     let text = if args.chat {
         chat_prompt(&model, &args.prompt)?

@@ -46,7 +46,7 @@ impl LoadedModel {
                         )),
                         e => failed(e),
                     })?,
-                None => Model::load(&file.path).map_err(failed)?,
+                None => Model::load_for(&file.path, params.precision).map_err(failed)?,
             };
             if let Some(plan) = model.plan() {
                 tracing::info!(

@@ -229,6 +229,17 @@ pub fn read_file(path: &Path) -> Result<TensorBytes> {
     image.finish()
 }
 
+/// [`read_file`], with `edit` rewriting the image before it is made read-only (matrices stored
+/// as tiles: the same bytes, permuted in place).
+pub fn read_file_edited(path: &Path, edit: impl FnOnce(&mut [u8])) -> Result<TensorBytes> {
+    let mut image = FileImage::open(path)?;
+    image.prefer_huge_pages();
+    image.fill(0..u64::MAX)?;
+    let len = image.len;
+    edit(&mut image.map[..len]);
+    image.finish()
+}
+
 /// Reads only `ranges` of a file into an image of its whole length, the rest left as untouched
 /// zero pages that are never resident: what a memory plan keeps of a model whose other weights
 /// stream from storage (see the module docs).

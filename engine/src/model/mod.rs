@@ -21,7 +21,7 @@ pub use config::{
     Architecture, FfnActivation, LayerAttention, ModelConfig, RopeStyle, SlidingWindow,
 };
 pub use summary::{ModelSummary, summarize};
-pub use weights::{Down, FfnWeights, LayerWeights, QRows, Weights};
+pub use weights::{Down, FfnWeights, LayerWeights, QRows, TiledMatrix, Weights};
 
 use crate::quant::DType;
 use crate::tokenizer::Tokenizer;
@@ -139,6 +139,27 @@ pub fn load_mapped(path: &Path) -> Result<(Weights, Tokenizer, Option<String>)> 
              first",
         )),
     }
+}
+
+/// [`load`], with the matrices [`Weights::tile_plan`] picks for `tiles` stored as tiles
+/// ([`crate::quant::tiles`]): rewritten in the file image as it is read, so the load takes no
+/// more memory than [`load`]. A safetensors directory loads as rows.
+pub fn load_tiled(
+    path: &Path,
+    tiles: &dyn Fn(crate::quant::DType) -> bool,
+) -> Result<(Weights, Tokenizer, Option<String>)> {
+    if SourceKind::detect(path)? == SourceKind::SafetensorsDir {
+        return load(path);
+    }
+    let (mapped, tokenizer, chat_template) = load_mapped(path)?;
+    let plan = mapped.tile_plan(tiles);
+    let image = bytes::read_file_edited(path, |image| {
+        for t in &plan {
+            crate::quant::tiles::tile_matrix_in_place(t.dtype, t.rows, &mut image[t.bytes.clone()]);
+        }
+    })?;
+    let weights = mapped.rebased_onto(&image)?.tiled(&plan);
+    Ok((weights, tokenizer, chat_template))
 }
 
 /// Opens any supported model source and builds its compute-ready weights.

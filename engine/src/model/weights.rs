@@ -2,6 +2,7 @@
 
 use super::{ImportedModel, ModelConfig, OwnedBytes, TensorBytes, TensorRef};
 use crate::quant::DType;
+use crate::quant::tiles::TILE_ROWS;
 use crate::{Error, Result};
 
 /// A matrix of quantised rows. Rows need not be contiguous: the `.lsm` file interleaves the gate
@@ -9,6 +10,10 @@ use crate::{Error, Result};
 /// chunks, so row `i` lives at
 /// `first + (i / group_rows) * group_stride + (i % group_rows) * row_stride`.
 /// A plain matrix is one group with `row_stride = row_bytes`.
+///
+/// A plain matrix may also be stored as tiles ([`crate::quant::tiles`]): each whole group of
+/// eight rows interleaved block by block, the last `rows % 8` rows as rows. Tiled rows are read
+/// eight at a time through [`QRows::tile`]; [`QRows::row`] serves only the rows after the tiles.
 #[derive(Clone, Debug)]
 pub struct QRows {
     pub dtype: DType,
@@ -20,6 +25,7 @@ pub struct QRows {
     row_stride: usize,
     group_rows: usize,
     group_stride: usize,
+    tiled: bool,
 }
 
 impl QRows {
@@ -36,6 +42,7 @@ impl QRows {
             row_stride: rb,
             group_rows: rows.max(1),
             group_stride: 0,
+            tiled: false,
         })
     }
 
@@ -65,6 +72,7 @@ impl QRows {
             row_stride,
             group_rows,
             group_stride,
+            tiled: false,
         };
         let last_end = q.offset(rows - 1).checked_add(rb)?;
         (last_end <= q.data.len()).then_some(q)
@@ -83,23 +91,67 @@ impl QRows {
             .expect("validated at construction")
     }
 
-    /// The stored bytes of row `i`. Panics if `i >= rows` (callers index by validated shapes).
+    /// This matrix with its bytes read as tiles: the caller has rewritten every whole group of
+    /// eight rows with [`crate::quant::tiles::tile_in_place`]. `None` unless the type tiles and
+    /// the rows are stored back to back.
+    pub fn as_tiled(&self) -> Option<QRows> {
+        let plain = self.group_stride == 0 && self.row_stride == self.row_bytes();
+        (crate::quant::tiles::tiles(self.dtype) && plain).then(|| QRows {
+            tiled: true,
+            ..self.clone()
+        })
+    }
+
+    /// Rows stored in tiles (a multiple of eight; 0 for a matrix stored as rows).
+    #[inline]
+    pub fn tiled_rows(&self) -> usize {
+        if self.tiled {
+            self.rows / TILE_ROWS * TILE_ROWS
+        } else {
+            0
+        }
+    }
+
+    /// The bytes of rows `8g..8g + 8` as one tile. Panics unless those rows are tiled.
+    #[inline]
+    pub fn tile(&self, g: usize) -> &[u8] {
+        assert!(
+            (g + 1) * TILE_ROWS <= self.tiled_rows(),
+            "tile {g} of {} tiled rows",
+            self.tiled_rows()
+        );
+        let (len, at) = (TILE_ROWS * self.row_bytes(), self.offset(g * TILE_ROWS));
+        &self.data.as_slice()[at..at + len]
+    }
+
+    fn assert_not_tiled(&self, range: std::ops::Range<usize>) {
+        assert!(
+            range.is_empty() || range.start >= self.tiled_rows(),
+            "rows {range:?} are stored in tiles ({} tiled rows)",
+            self.tiled_rows()
+        );
+    }
+
+    /// The stored bytes of row `i`. Panics if `i >= rows` (callers index by validated shapes) or
+    /// the row is part of a tile.
     #[inline]
     pub fn row(&self, i: usize) -> &[u8] {
         assert!(i < self.rows, "row {i} of {}", self.rows);
+        self.assert_not_tiled(i..i + 1);
         let off = self.offset(i);
         &self.data.as_slice()[off..off + self.row_bytes()]
     }
 
     /// The stored bytes of rows `range`, one exact-length slice per row, in order: what a loop
     /// over many rows uses instead of [`QRows::row`], which divides to find each row's group.
-    /// Panics if `range` runs past the last row.
+    /// Panics if `range` runs past the last row or into a tile.
     pub fn rows_in(&self, range: std::ops::Range<usize>) -> impl Iterator<Item = &[u8]> + '_ {
         assert!(
             range.start <= range.end && range.end <= self.rows,
             "rows {range:?} of {}",
             self.rows
         );
+        self.assert_not_tiled(range.clone());
         let (rb, all) = (self.row_bytes(), self.data.as_slice());
         let mut group_at = self.first + (range.start / self.group_rows) * self.group_stride;
         let mut in_group = range.start % self.group_rows;
@@ -116,13 +168,27 @@ impl QRows {
     /// Where row `i`'s bytes sit in the backing (file offsets for a file image or map).
     pub fn row_range(&self, i: usize) -> std::ops::Range<usize> {
         assert!(i < self.rows, "row {i} of {}", self.rows);
+        self.assert_not_tiled(i..i + 1);
         let at = self.data.offset() + self.offset(i);
         at..at + self.row_bytes()
     }
 
     /// Dequantises row `i` into `out` (`out.len() == cols`).
     pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
-        crate::quant::dequantize_row(self.dtype, self.row(i), out);
+        if i >= self.tiled_rows() {
+            return crate::quant::dequantize_row(self.dtype, self.row(i), out);
+        }
+        // A tiled row, block by block (an embedding lookup of a tied head: one row a token).
+        let (tile, lane) = (self.tile(i / TILE_ROWS), i % TILE_ROWS);
+        let (n, mut block) = (
+            self.dtype.block_len(),
+            [0u8; crate::quant::tiles::MAX_BLOCK],
+        );
+        for (b, out) in out.chunks_exact_mut(n).enumerate() {
+            let block = &mut block[..self.dtype.block_bytes()];
+            crate::quant::tiles::block_of(self.dtype, tile, lane, b, block);
+            crate::quant::dequantize_row(self.dtype, block, out);
+        }
     }
 
     /// Total bytes of all rows (not counting padding between them).
@@ -160,6 +226,11 @@ impl QRows {
             return None;
         }
         if self.group_stride != 0 && !range.start.is_multiple_of(self.group_rows) {
+            return None;
+        }
+        // Tiles are not split: a piece starts at one and ends at one or at the last row.
+        let whole = |r: usize| r.is_multiple_of(TILE_ROWS) || r >= self.tiled_rows();
+        if self.tiled && !(whole(range.start) && (whole(range.end) || range.end == self.rows)) {
             return None;
         }
         let (rb, at) = (self.row_bytes(), self.offset(range.start));
@@ -222,6 +293,15 @@ impl FfnWeights {
             },
         }
     }
+}
+
+/// A matrix a load stores as tiles ([`Weights::tile_plan`]): where its bytes sit in the backing
+/// (file offsets), its type and its rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TiledMatrix {
+    pub bytes: std::ops::Range<usize>,
+    pub dtype: DType,
+    pub rows: usize,
 }
 
 /// One transformer block.
@@ -417,6 +497,51 @@ impl Weights {
             output,
             layers,
         })
+    }
+
+    /// The matrices to store as tiles for kernels that read `tiles(dtype)` as tiles: every
+    /// projection of the fast path (attention's four and the FFN's gate and up) and the output
+    /// head, with the embeddings when they share its bytes. The down projection always runs
+    /// with f32 activations and stays as rows. Matrices whose type does not tile, whose rows
+    /// are grouped or that have fewer than eight rows are left out; each byte range is listed
+    /// once.
+    pub fn tile_plan(&self, tiles: &dyn Fn(DType) -> bool) -> Vec<TiledMatrix> {
+        let mut plan: Vec<TiledMatrix> = Vec::new();
+        let mut add = |q: &QRows| {
+            let t = TiledMatrix {
+                bytes: q.byte_range(),
+                dtype: q.dtype,
+                rows: q.rows,
+            };
+            if tiles(q.dtype) && q.rows >= TILE_ROWS && q.as_tiled().is_some() && !plan.contains(&t)
+            {
+                plan.push(t);
+            }
+        };
+        add(&self.output);
+        for l in &self.layers {
+            for q in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn.gate, &l.ffn.up] {
+                add(q);
+            }
+        }
+        plan
+    }
+
+    /// These weights with the matrices of `plan` read as tiles: their bytes have been rewritten
+    /// by [`crate::quant::tiles::tile_matrix_in_place`]. Every matrix over one of those byte
+    /// ranges is marked (a tied head and its embeddings both).
+    pub fn tiled(&self, plan: &[TiledMatrix]) -> Weights {
+        let mut f = |q: &QRows| match plan.iter().any(|t| t.bytes == q.byte_range()) {
+            true => q.as_tiled().expect("a planned matrix tiles"),
+            false => q.clone(),
+        };
+        Weights {
+            config: self.config.clone(),
+            token_embd: f(&self.token_embd),
+            output_norm: self.output_norm.clone(),
+            output: f(&self.output),
+            layers: self.layers.iter().map(|l| l.map(&mut f)).collect(),
+        }
     }
 
     /// Memory these weights hold that the process owns: each distinct backing of the matrices

@@ -74,9 +74,12 @@ pub fn pieces(layer: &LayerWeights, max_bytes: usize) -> Vec<Piece> {
         let ms = part.matrices(layer);
         let Some(first) = ms.first() else { continue };
         let rows = first.rows;
-        // Rows of a grouped layout (the `.lsm` bundles) are cut at group boundaries only.
+        // Rows of a grouped layout (the `.lsm` bundles) are cut at group boundaries only, and
+        // rows stored as tiles at tile boundaries.
         let step = if first.is_grouped() {
             first.group_rows()
+        } else if ms.iter().any(|m| m.tiled_rows() > 0) {
+            crate::quant::tiles::TILE_ROWS
         } else {
             1
         };

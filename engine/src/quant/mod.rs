@@ -11,6 +11,7 @@
 //! files mix in) are in [`kquant`].
 
 pub mod kquant;
+pub mod tiles;
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};

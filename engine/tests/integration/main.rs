@@ -33,6 +33,7 @@ mod speculative;
 mod speculative_real;
 mod streamed_integrity;
 mod streaming_batch;
+mod tiled_load;
 mod tiny_models;
 mod tokenizer_real;
 mod unified;

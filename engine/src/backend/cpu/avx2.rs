@@ -79,6 +79,21 @@ static VNNI: Kernels = Kernels {
         Some(vnni_table::q5_k_q8_x8_vnni),
         Some(vnni_table::q6_k_q8_x8_vnni),
     ],
+    dot_q8_tile: [
+        None,
+        None,
+        None,
+        Some(vnni_table::q8_0_q8_tile_vnni),
+        Some(vnni_table::q4_0_q8_tile_vnni),
+        Some(vnni_table::q4_1_q8_tile_vnni),
+        Some(vnni_table::q5_0_q8_tile_vnni),
+        Some(vnni_table::q5_1_q8_tile_vnni),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     ..AVX2
 };
 
@@ -144,6 +159,21 @@ const AVX2: Kernels = Kernels {
         Some(table::q5_k_q8_x8),
         Some(table::q6_k_q8_x8),
     ],
+    dot_q8_tile: [
+        None,
+        None,
+        None,
+        Some(table::q8_0_q8_tile),
+        Some(table::q4_0_q8_tile),
+        Some(table::q4_1_q8_tile),
+        Some(table::q5_0_q8_tile),
+        Some(table::q5_1_q8_tile),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     dot_x8: [
         None,
         None,
@@ -181,6 +211,23 @@ const AVX2: Kernels = Kernels {
         exp_shifted: table::exp_shifted,
     },
 };
+
+/// Two plain-fn wrappers of each eight-row kernel over a [`rows::Source`]: one for eight rows,
+/// one for a tile. `$why` says why the CPU has the kernel's features.
+macro_rules! sources {
+    ($why:literal; $($kernel:ident, $tile:ident;)*) => {$(
+        pub(super) fn $kernel(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            // SAFETY: these wrappers are private to this module and only reachable through the
+            // table their features were detected for (`$why`).
+            unsafe { super::$kernel(super::rows::Source::Rows(rows), acts, out) }
+        }
+
+        pub(super) fn $tile(tile: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            // SAFETY: as above.
+            unsafe { super::$kernel(super::rows::Source::Tile(tile), acts, out) }
+        }
+    )*};
+}
 
 /// Plain-fn wrappers for the table.
 mod table {
@@ -234,11 +281,6 @@ mod table {
         fn axpy_q4_k(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q5_k(row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q6_k(row: &[u8], a: f32, out: &mut [f32]);
-        fn q8_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
-        fn q4_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
-        fn q4_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
-        fn q5_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
-        fn q5_1_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q2_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q3_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn q4_k_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
@@ -254,6 +296,15 @@ mod table {
         fn silu_mul(gate: &mut [f32], up: &[f32]);
         fn gelu_mul(gate: &mut [f32], up: &[f32]);
         fn exp_shifted(x: &mut [f32], shift: f32) -> f32;
+    }
+
+    sources! {
+        "`KERNELS`, which `detect` hands out after finding avx2, fma and f16c";
+        q8_0_q8_x8, q8_0_q8_tile;
+        q4_0_q8_x8, q4_0_q8_tile;
+        q4_1_q8_x8, q4_1_q8_tile;
+        q5_0_q8_x8, q5_0_q8_tile;
+        q5_1_q8_x8, q5_1_q8_tile;
     }
 }
 
@@ -273,12 +324,17 @@ mod vnni_table {
         )*};
     }
 
+    sources! {
+        "`VNNI`, which `supported` hands out after finding avx2, fma, f16c, avx512vnni, \
+         avx512vl and avx512bw";
+        q8_0_q8_x8_vnni, q8_0_q8_tile_vnni;
+        q4_0_q8_x8_vnni, q4_0_q8_tile_vnni;
+        q4_1_q8_x8_vnni, q4_1_q8_tile_vnni;
+        q5_0_q8_x8_vnni, q5_0_q8_tile_vnni;
+        q5_1_q8_x8_vnni, q5_1_q8_tile_vnni;
+    }
+
     wrap_vnni! {
-        q8_0_q8_x8_vnni(acts: &[&[Q8Block]]);
-        q4_0_q8_x8_vnni(acts: &[&[Q8Block]]);
-        q4_1_q8_x8_vnni(acts: &[&[Q8Block]]);
-        q5_0_q8_x8_vnni(acts: &[&[Q8Block]]);
-        q5_1_q8_x8_vnni(acts: &[&[Q8Block]]);
         q2_k_q8_x8_vnni(acts: &[&[Q8Block]]);
         q3_k_q8_x8_vnni(acts: &[&[Q8Block]]);
         q4_k_q8_x8_vnni(acts: &[&[Q8Block]]);

@@ -6,15 +6,18 @@ use std::ops::Range;
 use super::team::{self, for_each_chunk};
 use super::{Kernels, Precision, Prepared, QuantizedActs, TOKEN_GROUP};
 use crate::model::QRows;
+use crate::quant::tiles::TILE_ROWS;
 
 /// The fewest rows one chunk of work gets: below this a task's bookkeeping costs about as much as its
 /// dot products (64 rows × 576 values of Q4_1 is ~23 KB of weights, a few microseconds).
 pub const MIN_ROWS_PER_TASK: usize = 64;
 
 /// Rows per chunk for `n` rows: about four chunks per thread for load balance, never fewer than
-/// [`MIN_ROWS_PER_TASK`] rows.
+/// [`MIN_ROWS_PER_TASK`] rows, and a whole number of tiles (a chunk never starts inside one).
 fn rows_per_task(n: usize) -> usize {
-    n.div_ceil(4 * team::threads()).max(MIN_ROWS_PER_TASK)
+    n.div_ceil(4 * team::threads())
+        .max(MIN_ROWS_PER_TASK)
+        .next_multiple_of(TILE_ROWS)
 }
 
 /// `f(rows, out_chunk)` over consecutive chunks of `out` (`out_chunk` is `out[rows]`), on the
@@ -28,56 +31,6 @@ fn fill(out: &mut [f32], f: impl Fn(Range<usize>, &mut [f32]) + Sync) {
     });
 }
 
-/// The rows a mat-vec reads: every row in order, or a listed subset.
-#[derive(Clone, Copy)]
-enum Rows<'a> {
-    All,
-    Listed(&'a [u32]),
-}
-
-/// Fills `out[k]` with the dot product of the `k`-th row of `rows` of `m` with `x`.
-fn run(
-    k: &Kernels,
-    m: &QRows,
-    x: &[f32],
-    out: &mut [f32],
-    precision: Precision,
-    scratch: &mut QuantizedActs,
-    rows: Rows<'_>,
-) {
-    assert_eq!(x.len(), m.cols, "activations vs matrix columns");
-    // Types without an integer path are exact in either precision.
-    let fast = k
-        .integer_dot(m.dtype)
-        .filter(|_| precision == Precision::Fast);
-    if fast.is_some() {
-        scratch.quantize_with(k, x);
-        let acts = scratch.blocks();
-        each_range(m, rows, out, |rows, os| {
-            k.dot_rows_q8_each(m.dtype, rows, &[acts], &mut [os])
-        });
-    } else {
-        each_range(m, rows, out, |rows, os| {
-            k.dot_rows_each(m.dtype, rows, &[x], &mut [os])
-        });
-    }
-}
-
-/// `f(rows, out[r])` over the team for consecutive ranges `r` of `out`, `rows` being the rows
-/// of `rows` in that range. The rows [`QRows::rows_in`] and [`QRows::row`] give are exactly one
-/// row's bytes, so the kernels need no prefix check.
-fn each_range(
-    m: &QRows,
-    rows: Rows<'_>,
-    out: &mut [f32],
-    f: impl Fn(&mut dyn Iterator<Item = &[u8]>, &mut [f32]) + Sync,
-) {
-    fill(out, |r, os| match rows {
-        Rows::All => f(&mut m.rows_in(r), os),
-        Rows::Listed(ids) => f(&mut ids[r].iter().map(|&i| m.row(i as usize)), os),
-    });
-}
-
 pub(super) fn matvec(
     k: &Kernels,
     m: &QRows,
@@ -87,9 +40,12 @@ pub(super) fn matvec(
     scratch: &mut QuantizedActs,
 ) {
     assert_eq!(out.len(), m.rows, "output length vs matrix rows");
-    run(k, m, x, out, precision, scratch, Rows::All);
+    let x = k.prepare(x, precision, scratch);
+    fill(out, |r, os| k.rows_dot(m, r.start, x, os));
 }
 
+/// Fills `out[k]` with row `rows[k]` of `m` against `x`. The rows are read one by one, so not
+/// from a tiled matrix ([`QRows::row`] panics).
 pub(super) fn matvec_rows(
     k: &Kernels,
     m: &QRows,
@@ -100,7 +56,20 @@ pub(super) fn matvec_rows(
     scratch: &mut QuantizedActs,
 ) {
     assert_eq!(out.len(), rows.len(), "output length vs selected rows");
-    run(k, m, x, out, precision, scratch, Rows::Listed(rows));
+    assert_eq!(x.len(), m.cols, "activations vs matrix columns");
+    let listed = |r: Range<usize>| rows[r].iter().map(|&i| m.row(i as usize));
+    // Types without an integer path are exact in either precision.
+    if k.integer_dot(m.dtype).is_some() && precision == Precision::Fast {
+        scratch.quantize_with(k, x);
+        let acts = scratch.blocks();
+        fill(out, |r, os| {
+            k.dot_rows_q8_each(m.dtype, listed(r), &[acts], &mut [os])
+        });
+    } else {
+        fill(out, |r, os| {
+            k.dot_rows_each(m.dtype, listed(r), &[x], &mut [os])
+        });
+    }
 }
 
 /// Rows per work item of a fused mat-vec: 32 rows × 576 values of Q4_1 is ~12 KB of weights, a

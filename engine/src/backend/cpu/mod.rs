@@ -68,6 +68,7 @@ mod tests;
 use std::sync::OnceLock;
 
 use crate::model::{FfnActivation, QRows};
+use crate::quant::tiles::TILE_ROWS;
 use crate::quant::{DType, QK};
 
 pub use attend::{attend, attend_spans};
@@ -236,6 +237,9 @@ pub(crate) type DotQ8Fn = fn(&[u8], &[Q8Block]) -> f32;
 /// row `r` against `acts[t]`, bit for bit what the scalar integer kernel gives for that pair,
 /// whatever the other rows and tokens are.
 pub(crate) type DotQ8x8Fn = fn([&[u8]; 8], &[&[Q8Block]], &mut [[f32; 8]]);
+/// [`DotQ8x8Fn`] of the eight rows of one tile ([`crate::quant::tiles`]): the same bits as the
+/// eight-row kernel on the rows the tile was made from.
+pub(crate) type DotQ8TileFn = fn(&[u8], &[&[Q8Block]], &mut [[f32; 8]]);
 /// [`DotFn`] of eight rows of one type and length at once, for several tokens: `out[t][r]` is row
 /// `r` against `xs[t]`, the same bits whatever the other rows and tokens are (not the one-row
 /// kernel's: the sums are grouped per block, then across blocks).
@@ -279,6 +283,10 @@ pub struct Kernels {
     /// Indexed by [`dtype_index`]: the integer kernel over eight rows at once, where the table
     /// has one (used in place of `dot_q8` for every group of rows; see [`Kernels::dot_rows_q8_each`]).
     dot_q8_x8: [Option<DotQ8x8Fn>; DType::ALL.len()],
+    /// Indexed by [`dtype_index`]: the integer kernel over one tile, where the table has one. A
+    /// model is loaded with its matrices as tiles only for types whose kernel is here
+    /// ([`Kernels::reads_tiles`]); any table computes a tiled matrix, the others by untiling.
+    dot_q8_tile: [Option<DotQ8TileFn>; DType::ALL.len()],
     /// Indexed by [`dtype_index`]: the exact kernel over eight rows at once, where the table has
     /// one (used in place of `dot` for every group of rows, alone or in a batch).
     dot_x8: [Option<DotX8Fn>; DType::ALL.len()],
@@ -367,11 +375,20 @@ fn by_rows<'r, A: Copy>(
 /// A `dot_q8_x8` column for tables without eight-row kernels.
 const NO_ROW_GROUPS: [Option<DotQ8x8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
+/// A `dot_q8_tile` column for tables without tile kernels.
+const NO_TILES: [Option<DotQ8TileFn>; DType::ALL.len()] = [None; DType::ALL.len()];
+
 /// A `dot_x8` column for tables without eight-row exact kernels.
 const NO_EXACT_ROW_GROUPS: [Option<DotX8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
 /// A `dot_tokens` column for tables without multi-token one-row kernels.
 const NO_TOKEN_KERNELS: [Option<DotTokensFn>; DType::ALL.len()] = [None; DType::ALL.len()];
+
+/// One group's activations: quantised blocks (the integer kernels) or f32 vectors, per token.
+enum Acts<'a> {
+    Fast([&'a [Q8Block]; TOKEN_GROUP]),
+    Exact([&'a [f32]; TOKEN_GROUP]),
+}
 
 /// Most tokens [`Kernels::rows_dot_each`] takes at once.
 pub const TOKEN_GROUP: usize = 16;
@@ -518,18 +535,11 @@ impl Kernels {
     /// `out[k] = dot(m.row(first + k), x)` in the precision `x` was prepared for (float rows are
     /// always exact).
     ///
-    /// Panics unless `x.len() == m.cols` and `first + out.len() <= m.rows`.
+    /// Panics unless `x.len() == m.cols` and `first + out.len() <= m.rows`, or if the rows start
+    /// inside a tile.
     #[inline]
     pub fn rows_dot(&self, m: &QRows, first: usize, x: Prepared<'_>, out: &mut [f32]) {
-        assert_eq!(x.len(), m.cols, "activations vs matrix columns");
-        // Every row `rows_in` yields has exactly the bytes of `m.cols` values: no prefix check.
-        let rows = m.rows_in(first..first + out.len());
-        match x.blocks {
-            Some(b) if self.integer_dot(m.dtype).is_some() => {
-                self.dot_rows_q8_each(m.dtype, rows, &[b], &mut [out])
-            }
-            _ => self.dot_rows_each(m.dtype, rows, &[x.x], &mut [out]),
-        }
+        self.rows_dot_each(m, first, x, &mut [out]);
     }
 
     /// [`Kernels::rows_dot`] for each token of a batch: `outs[t]` gets rows `first..` against
@@ -544,24 +554,92 @@ impl Kernels {
         assert!(n <= TOKEN_GROUP, "{n} tokens in one group");
         assert_eq!(x.len(), n * m.cols, "activations vs matrix columns");
         let len = outs.first().map_or(0, |o| o.len());
-        match x.blocks {
+        let acts = match x.blocks {
             Some(_) if self.integer_dot(m.dtype).is_some() => {
                 let mut acts: [&[Q8Block]; TOKEN_GROUP] = [&[]; TOKEN_GROUP];
                 for (t, a) in acts.iter_mut().enumerate().take(n) {
                     *a = x.token(t, n).blocks.expect("prepared for the fast path");
                 }
-                let rows = m.rows_in(first..first + len);
-                self.dot_rows_q8_each(m.dtype, rows, &acts[..n], outs);
+                Acts::Fast(acts)
             }
             _ => {
                 let mut xs: [&[f32]; TOKEN_GROUP] = [&[]; TOKEN_GROUP];
                 for (t, xt) in xs.iter_mut().enumerate().take(n) {
                     *xt = x.token(t, n).x;
                 }
-                let rows = m.rows_in(first..first + len);
-                self.dot_rows_each(m.dtype, rows, &xs[..n], outs);
+                Acts::Exact(xs)
             }
+        };
+        // Tiled rows first, a tile at a time; then the rows stored as rows.
+        let tiled_end = m.tiled_rows().clamp(first, first + len);
+        for at in (first..tiled_end).step_by(TILE_ROWS) {
+            assert!(
+                at.is_multiple_of(TILE_ROWS),
+                "rows from {first} start inside a tile"
+            );
+            let k = at - first;
+            self.tile_dot_each(m, at / TILE_ROWS, &acts, n, |t, r| {
+                outs[t][k..k + TILE_ROWS].copy_from_slice(r)
+            });
         }
+        let off = tiled_end - first;
+        let mut rest: [&mut [f32]; TOKEN_GROUP] = Default::default();
+        for (r, o) in rest.iter_mut().zip(outs.iter_mut()) {
+            *r = &mut o[off..];
+        }
+        let rows = m.rows_in(tiled_end..first + len);
+        match &acts {
+            Acts::Fast(a) => self.dot_rows_q8_each(m.dtype, rows, &a[..n], &mut rest[..n]),
+            Acts::Exact(xs) => self.dot_rows_each(m.dtype, rows, &xs[..n], &mut rest[..n]),
+        }
+    }
+
+    /// Whether this table reads `dtype`'s rows as tiles without untiling them (what a load for
+    /// this CPU stores as tiles).
+    pub fn reads_tiles(&self, dtype: DType) -> bool {
+        self.dot_q8_tile[dtype_index(dtype)].is_some()
+    }
+
+    /// The eight rows of tile `g` of `m` against the first `n` tokens of `acts`: `put(t, r)`
+    /// with token `t`'s eight results. Through the tile kernel where the table has one and the
+    /// activations are quantised; otherwise the rows are untiled into a per-thread buffer and
+    /// computed as rows (the same bits either way: the tile kernel gives the row kernel's).
+    fn tile_dot_each(
+        &self,
+        m: &QRows,
+        g: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        mut put: impl FnMut(usize, &[f32]),
+    ) {
+        let tile = m.tile(g);
+        let mut res = [[0f32; TILE_ROWS]; TOKEN_GROUP];
+        if let (Acts::Fast(a), Some(dot)) = (acts, self.dot_q8_tile[dtype_index(m.dtype)]) {
+            dot(tile, &a[..n], &mut res[..n]);
+            for (t, r) in res[..n].iter().enumerate() {
+                put(t, r);
+            }
+            return;
+        }
+        thread_local! {
+            static ROWS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ROWS.with_borrow_mut(|buf| {
+            buf.resize(tile.len(), 0);
+            crate::quant::tiles::untile(m.dtype, tile, buf);
+            let mut outs: [&mut [f32]; TOKEN_GROUP] = Default::default();
+            for (o, r) in outs.iter_mut().zip(&mut res) {
+                *o = r;
+            }
+            let rows = buf.chunks_exact(m.row_bytes());
+            match acts {
+                Acts::Fast(a) => self.dot_rows_q8_each(m.dtype, rows, &a[..n], &mut outs[..n]),
+                Acts::Exact(xs) => self.dot_rows_each(m.dtype, rows, &xs[..n], &mut outs[..n]),
+            }
+            for (t, r) in outs[..n].iter().enumerate() {
+                put(t, r);
+            }
+        });
     }
 
     /// `outs[t][k]` = the integer dot product of the `k`-th of `rows` (each exactly one row's bytes

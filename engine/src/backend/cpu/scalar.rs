@@ -44,6 +44,7 @@ pub(super) static KERNELS: Kernels = Kernels {
         Some(k::q6_k_q8),
     ],
     dot_q8_x8: super::NO_ROW_GROUPS,
+    dot_q8_tile: super::NO_TILES,
     dot_x8: super::NO_EXACT_ROW_GROUPS,
     dot_tokens: super::NO_TOKEN_KERNELS,
     axpy: [

@@ -8,6 +8,8 @@ use super::*;
 use crate::model::TensorBytes;
 use crate::quant::{dequantize_row, quantize_row};
 
+mod tiles;
+
 const DTYPES: [DType; 13] = DType::ALL;
 
 /// `cols` rounded up to whole blocks of `dtype`: the shapes below are chosen for 32-value blocks

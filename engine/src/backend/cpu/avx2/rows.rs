@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{hsum, ld_16, ld_ps, q4_1_ps};
+use super::{hsum, ld_16, ld_32, ld_ps, q4_1_ps};
 use crate::backend::cpu::Q8Block;
 
 /// Eight rows of the same type and length, each exactly its bytes.
@@ -130,7 +130,14 @@ type Columns = [__m256i; 8];
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn nibble_columns(rows: &Rows8<'_>, at: usize) -> Columns {
-    let words = word_columns(rows, at);
+    nibbles(word_columns(rows, at))
+}
+
+/// Four columns of Q4 bytes split into the [`Columns`] of their low nibbles (values `0..16`)
+/// and high nibbles (values `16..32`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles(words: [__m256i; 4]) -> Columns {
     let mask = _mm256_set1_epi8(0x0f);
     let mut out = [_mm256_setzero_si256(); 8];
     for (k, w) in words.into_iter().enumerate() {
@@ -148,8 +155,14 @@ fn nibble_columns(rows: &Rows8<'_>, at: usize) -> Columns {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q5_columns<const HIGH: usize>(rows: &Rows8<'_>, at: usize) -> Columns {
-    let mut out = nibble_columns(rows, at + HIGH + 4);
-    let high = words(rows, at + HIGH);
+    with_high_bits(nibble_columns(rows, at + HIGH + 4), words(rows, at + HIGH))
+}
+
+/// Q5's nibble columns with 16 added where the rows' high bits (lane `r` of `high`: bit `j` for
+/// value `j`) are set.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn with_high_bits(mut out: Columns, high: __m256i) -> Columns {
     for (k, col) in out.iter_mut().enumerate() {
         *col = _mm256_or_si256(*col, high_sixteens(high, k));
     }
@@ -210,9 +223,9 @@ fn token_step(
 }
 
 /// The eight-row kernel of one block type, for every token, [`TOKENS`] at a time: per block, the
-/// rows' values are decoded once into [`Columns`] (`decode`, at the block's byte offset) along
-/// with their `d` and `m` (the first two f16 of the block; `m` is meaningless for types without
-/// one), then each token takes a [`token_step`].
+/// rows' values are decoded once into [`Columns`] along with their `d` and `m` (`block(i)` for
+/// block `i`; `m` is meaningless for types without one), then each token takes a
+/// [`token_step`].
 ///
 /// The token count is matched inside the block loop so that each arm's loop over tokens has a
 /// constant length: the totals then stay in registers (with a run-time count they went through
@@ -221,22 +234,22 @@ fn token_step(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn tiles(
-    rows: &Rows8<'_>,
+    n: usize,
     acts: &[&[Q8Block]],
     out: &mut [[f32; 8]],
-    block_bytes: usize,
-    decode: impl Fn(&Rows8<'_>, usize) -> Columns,
+    block: impl Fn(usize) -> (Columns, (__m256, __m256)),
     accumulate: impl Fn(__m256i, __m256i, __m256i) -> __m256i + Copy,
     finish: impl Fn(__m256, __m256i, __m256, __m256, &Q8Block) -> __m256 + Copy,
 ) {
     assert_eq!(acts.len(), out.len(), "one output per token");
-    let n = blocks_of(rows, block_bytes, acts, 1);
+    assert!(
+        acts.iter().all(|a| a.len() >= n),
+        "activations for {n} blocks"
+    );
     for (acts, out) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
         let mut total = [_mm256_setzero_ps(); TOKENS];
         for i in 0..n {
-            let at = i * block_bytes;
-            let w = decode(rows, at);
-            let scales = f16_pairs(words(rows, at));
+            let (w, scales) = block(i);
             let mut step = |t: usize| {
                 total[t] = token_step(total[t], &w, scales, &acts[t][i], accumulate, finish);
             };
@@ -249,6 +262,128 @@ fn tiles(
         }
         for (o, t) in out.iter_mut().zip(total) {
             *o = lanes(t);
+        }
+    }
+}
+
+/// Where a kernel reads its eight rows from: eight rows as stored (each block's values
+/// transposed and its scales gathered every time), or one tile of them
+/// ([`crate::quant::tiles`]: every column and scale vector one load).
+#[derive(Clone, Copy)]
+pub(super) enum Source<'a> {
+    Rows(Rows8<'a>),
+    Tile(&'a [u8]),
+}
+
+impl Source<'_> {
+    /// The number of blocks of `block_bytes` in each row (the rows checked to be of one length,
+    /// a tile to be whole blocks).
+    fn blocks(&self, block_bytes: usize) -> usize {
+        match self {
+            Source::Rows(rows) => {
+                let len = rows[0].len();
+                assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
+                len / block_bytes
+            }
+            Source::Tile(t) => {
+                assert!(
+                    t.len().is_multiple_of(8 * block_bytes),
+                    "a tile of whole blocks"
+                );
+                t.len() / (8 * block_bytes)
+            }
+        }
+    }
+}
+
+/// Block `i` of a tile of `BYTES`-byte blocks: its bytes and, as f32 vectors, its eight `d`
+/// and, where `SCALES` is 4, its eight `m` (else `d` twice).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn tile_block<const BYTES: usize, const SCALES: usize>(
+    tile: &[u8],
+    i: usize,
+) -> (&[u8], (__m256, __m256)) {
+    let part = &tile[i * 8 * BYTES..(i + 1) * 8 * BYTES];
+    let d = _mm256_cvtph_ps(ld_16(part, 0));
+    let m = if SCALES == 4 {
+        _mm256_cvtph_ps(ld_16(part, 16))
+    } else {
+        d
+    };
+    (part, (d, m))
+}
+
+/// Column `w` of a tile's block part (`part`, after `SCALES` bytes of scales per row): lane `r`
+/// holds row `r`'s block bytes `SCALES + 4w..SCALES + 4w + 4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn tile_word<const SCALES: usize>(part: &[u8], w: usize) -> __m256i {
+    ld_32(part, 8 * SCALES + 32 * w)
+}
+
+/// Block `i` of a Q4 source (`SCALES` bytes of scales, then 16 bytes of nibbles) as columns
+/// and scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q4_block<const BYTES: usize, const SCALES: usize>(
+    src: Source<'_>,
+    i: usize,
+) -> (Columns, (__m256, __m256)) {
+    match src {
+        Source::Rows(rows) => {
+            let at = i * BYTES;
+            (
+                nibble_columns(&rows, at + SCALES),
+                f16_pairs(words(&rows, at)),
+            )
+        }
+        Source::Tile(t) => {
+            let (p, scales) = tile_block::<BYTES, SCALES>(t, i);
+            let w = |k| tile_word::<SCALES>(p, k);
+            (nibbles([w(0), w(1), w(2), w(3)]), scales)
+        }
+    }
+}
+
+/// Block `i` of a Q5 source (`SCALES` bytes of scales, four bytes of high bits, then 16 bytes
+/// of nibbles) as columns and scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q5_block<const BYTES: usize, const SCALES: usize>(
+    src: Source<'_>,
+    i: usize,
+) -> (Columns, (__m256, __m256)) {
+    match src {
+        Source::Rows(rows) => {
+            let at = i * BYTES;
+            (q5_columns::<SCALES>(&rows, at), f16_pairs(words(&rows, at)))
+        }
+        Source::Tile(t) => {
+            let (p, scales) = tile_block::<BYTES, SCALES>(t, i);
+            let w = |k| tile_word::<SCALES>(p, k);
+            let low = nibbles([w(1), w(2), w(3), w(4)]);
+            (with_high_bits(low, w(0)), scales)
+        }
+    }
+}
+
+/// Block `i` of a Q8_0 source as columns and scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q8_block(src: Source<'_>, i: usize) -> (Columns, (__m256, __m256)) {
+    match src {
+        Source::Rows(rows) => {
+            let at = i * 34;
+            (byte_columns(&rows, at + 2), f16_pairs(words(&rows, at)))
+        }
+        Source::Tile(t) => {
+            let (p, scales) = tile_block::<34, 2>(t, i);
+            let mut out = [_mm256_setzero_si256(); 8];
+            for (k, c) in out.iter_mut().enumerate() {
+                *c = tile_word::<2>(p, k);
+            }
+            (out, scales)
         }
     }
 }
@@ -266,53 +401,35 @@ fn add_scaled(total: __m256, d: __m256, d8: f32, isum: __m256i) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn offset_tiles(
-    rows: &Rows8<'_>,
+    n: usize,
     acts: &[&[Q8Block]],
     out: &mut [[f32; 8]],
-    block_bytes: usize,
     offset: i32,
-    decode: impl Fn(&Rows8<'_>, usize) -> Columns,
+    block: impl Fn(usize) -> (Columns, (__m256, __m256)),
     accumulate: impl Fn(__m256i, __m256i, __m256i) -> __m256i + Copy,
 ) {
-    tiles(
-        rows,
-        acts,
-        out,
-        block_bytes,
-        decode,
-        accumulate,
-        |total, isum, d, _, a| {
-            let shift = _mm256_set1_epi32(offset * a.sum);
-            add_scaled(total, d, a.d, _mm256_sub_epi32(isum, shift))
-        },
-    );
+    tiles(n, acts, out, block, accumulate, |total, isum, d, _, a| {
+        let shift = _mm256_set1_epi32(offset * a.sum);
+        add_scaled(total, d, a.d, _mm256_sub_epi32(isum, shift))
+    });
 }
 
 /// Unsigned weights with a min (Q4_1 and Q5_1): `d·d8·isum + m·s8` per block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn min_tiles(
-    rows: &Rows8<'_>,
+    n: usize,
     acts: &[&[Q8Block]],
     out: &mut [[f32; 8]],
-    block_bytes: usize,
-    decode: impl Fn(&Rows8<'_>, usize) -> Columns,
+    block: impl Fn(usize) -> (Columns, (__m256, __m256)),
     accumulate: impl Fn(__m256i, __m256i, __m256i) -> __m256i + Copy,
 ) {
-    tiles(
-        rows,
-        acts,
-        out,
-        block_bytes,
-        decode,
-        accumulate,
-        |total, isum, d, m, a| {
-            let dd = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-            let t = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum));
-            let u = _mm256_mul_ps(m, _mm256_set1_ps(a.s));
-            _mm256_add_ps(total, _mm256_add_ps(t, u))
-        },
-    );
+    tiles(n, acts, out, block, accumulate, |total, isum, d, m, a| {
+        let dd = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+        let t = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum));
+        let u = _mm256_mul_ps(m, _mm256_set1_ps(a.s));
+        _mm256_add_ps(total, _mm256_add_ps(t, u))
+    });
 }
 
 /// `sum` plus [`udot`]: each lane's four products of unsigned `u` by signed `s` added to it.
@@ -322,9 +439,9 @@ pub(super) fn udot_add(sum: __m256i, u: __m256i, s: __m256i) -> __m256i {
     _mm256_add_epi32(sum, udot(u, s))
 }
 
-/// The four 4- and 5-bit kernels for one instruction set: `$features` enabled, `$add` its
-/// accumulating product of unsigned by signed bytes (each lane's four products added to the
-/// lane's i32).
+/// The four 4- and 5-bit kernels for one instruction set, each over a [`Source`]: `$features`
+/// enabled, `$add` its accumulating product of unsigned by signed bytes (each lane's four
+/// products added to the lane's i32).
 macro_rules! row_kernels {
     (
         $features:literal,
@@ -332,27 +449,29 @@ macro_rules! row_kernels {
         [$q4_0:ident, $q4_1:ident, $q5_0:ident, $q5_1:ident]
     ) => {
         #[target_feature(enable = $features)]
-        pub(super) fn $q4_0(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let decode = |rows: &Rows8<'_>, at| nibble_columns(rows, at + 2);
-            offset_tiles(&rows, acts, out, 18, 8, decode, |s, w, q| $add(s, w, q));
+        pub(super) fn $q4_0(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            let block = |i| q4_block::<18, 2>(src, i);
+            offset_tiles(src.blocks(18), acts, out, 8, block, |s, w, q| $add(s, w, q));
         }
 
         #[target_feature(enable = $features)]
-        pub(super) fn $q5_0(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let decode = |rows: &Rows8<'_>, at| q5_columns::<2>(rows, at);
-            offset_tiles(&rows, acts, out, 22, 16, decode, |s, w, q| $add(s, w, q));
+        pub(super) fn $q5_0(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            let block = |i| q5_block::<22, 2>(src, i);
+            offset_tiles(src.blocks(22), acts, out, 16, block, |s, w, q| {
+                $add(s, w, q)
+            });
         }
 
         #[target_feature(enable = $features)]
-        pub(super) fn $q4_1(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let decode = |rows: &Rows8<'_>, at| nibble_columns(rows, at + 4);
-            min_tiles(&rows, acts, out, 20, decode, |s, w, q| $add(s, w, q));
+        pub(super) fn $q4_1(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            let block = |i| q4_block::<20, 4>(src, i);
+            min_tiles(src.blocks(20), acts, out, block, |s, w, q| $add(s, w, q));
         }
 
         #[target_feature(enable = $features)]
-        pub(super) fn $q5_1(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let decode = |rows: &Rows8<'_>, at| q5_columns::<4>(rows, at);
-            min_tiles(&rows, acts, out, 24, decode, |s, w, q| $add(s, w, q));
+        pub(super) fn $q5_1(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+            let block = |i| q5_block::<24, 4>(src, i);
+            min_tiles(src.blocks(24), acts, out, block, |s, w, q| $add(s, w, q));
         }
     };
 }
@@ -366,11 +485,11 @@ row_kernels!(
 /// Q8_0: signed × signed through the sign trick, |w| · (q with w's sign) (the unsigned operand
 /// of `maddubs` must stay small enough that a pair of products cannot saturate 16 bits).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn q8_0_q8_x8(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+pub(super) fn q8_0_q8_x8(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
     let accumulate = |sum, w, q| udot_add(sum, _mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
     let finish = |total, isum, d, _, a: &Q8Block| add_scaled(total, d, a.d, isum);
-    let decode = |rows: &Rows8<'_>, at| byte_columns(rows, at + 2);
-    tiles(&rows, acts, out, 34, decode, accumulate, finish);
+    let block = |i| q8_block(src, i);
+    tiles(src.blocks(34), acts, out, block, accumulate, finish);
 }
 
 /// [`udot`] in one instruction, on CPUs with AVX-512 VNNI (Ice Lake, Zen 4 and later): the same
@@ -404,16 +523,16 @@ row_kernels!(
 /// products `vpdpbusd` sums without saturating, then `128 · Σq` taken off as for Q4_0; two
 /// instructions fewer per column and token than the sign trick.
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
-pub(super) fn q8_0_q8_x8_vnni(rows: Rows8<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+pub(super) fn q8_0_q8_x8_vnni(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
     let flip = _mm256_set1_epi8(i8::MIN);
-    let decode = |rows: &Rows8<'_>, at| {
-        let mut columns = byte_columns(rows, at + 2);
+    let block = |i| {
+        let (mut columns, scales) = q8_block(src, i);
         for c in &mut columns {
             *c = _mm256_xor_si256(*c, flip);
         }
-        columns
+        (columns, scales)
     };
-    offset_tiles(&rows, acts, out, 34, 128, decode, |s, w, q| {
+    offset_tiles(src.blocks(34), acts, out, 128, block, |s, w, q| {
         udot_add_vnni(s, w, q)
     });
 }
