@@ -142,8 +142,17 @@ fn callers_of_different_uids_are_different_clients() -> Result<()> {
         .await?;
         assert_eq!(status, 200, "{body}");
 
-        if session_owners(&bus).await? != vec![a.uid] {
-            bail!("only user a's generation should be running");
+        // The served requests' sessions close just after their replies: wait for that.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let owners = session_owners(&bus).await?;
+            if owners == vec![a.uid] {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("only user a's generation should be running, found sessions of {owners:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         drop(streaming);
         no_sessions_within(&bus, Duration::from_secs(5)).await?;

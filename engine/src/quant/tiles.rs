@@ -56,32 +56,36 @@ fn position(block_bytes: usize, scales: usize, lane: usize, at: usize) -> usize 
     }
 }
 
-/// The permutation of one block of eight rows: entry `lane · block_bytes + at` is where byte
-/// `at` of row `lane`'s block goes in the tile's part for that block.
-fn permutation(dtype: DType) -> Vec<usize> {
-    let b = dtype.block_bytes();
-    let s = scale_bytes(dtype).unwrap_or_else(|| panic!("{dtype} rows do not tile"));
-    (0..TILE_ROWS * b)
-        .map(|from| position(b, s, from / b, from % b))
-        .collect()
-}
-
 /// Rewrites eight rows of `dtype` stored back to back (`bytes.len()` = 8 rows) as one tile, in
 /// place. Panics unless `dtype` tiles and `bytes` is eight whole rows.
 pub fn tile_in_place(dtype: DType, bytes: &mut [u8]) {
+    tile_with(dtype, bytes, &mut Vec::new());
+}
+
+/// [`tile_in_place`] with `rows` as scratch for the eight rows' bytes.
+fn tile_with(dtype: DType, bytes: &mut [u8], rows: &mut Vec<u8>) {
     let b = dtype.block_bytes();
+    let s = scale_bytes(dtype).unwrap_or_else(|| panic!("{dtype} rows do not tile"));
     assert!(
         bytes.len().is_multiple_of(TILE_ROWS * b),
         "{} bytes are not eight rows of whole {dtype} blocks",
         bytes.len()
     );
     let row = bytes.len() / TILE_ROWS;
-    let to = permutation(dtype);
-    let rows = bytes.to_vec();
-    for i in 0..row / b {
-        let part = &mut bytes[i * TILE_ROWS * b..(i + 1) * TILE_ROWS * b];
-        for (from, &to) in to.iter().enumerate() {
-            part[to] = rows[(from / b) * row + i * b + from % b];
+    rows.clear();
+    rows.extend_from_slice(bytes);
+    for (i, part) in bytes.chunks_exact_mut(TILE_ROWS * b).enumerate() {
+        for lane in 0..TILE_ROWS {
+            let block = &rows[lane * row + i * b..lane * row + (i + 1) * b];
+            // The f16 scales, then the words; `position` says where each goes.
+            for at in (0..s).step_by(2) {
+                let to = position(b, s, lane, at);
+                part[to..to + 2].copy_from_slice(&block[at..at + 2]);
+            }
+            for at in (s..b).step_by(4) {
+                let to = position(b, s, lane, at);
+                part[to..to + 4].copy_from_slice(&block[at..at + 4]);
+            }
         }
     }
 }
@@ -98,8 +102,9 @@ pub fn tile_matrix_in_place(dtype: DType, rows: usize, bytes: &mut [u8]) {
         bytes.len()
     );
     let group = TILE_ROWS * (bytes.len() / rows);
+    let mut scratch = Vec::with_capacity(group);
     for tile in bytes.chunks_exact_mut(group) {
-        tile_in_place(dtype, tile);
+        tile_with(dtype, tile, &mut scratch);
     }
 }
 
