@@ -275,25 +275,42 @@ pub(super) enum Source<'a> {
     Tile(&'a [u8]),
 }
 
-impl Source<'_> {
-    /// The number of blocks of `block_bytes` in each row (the rows checked to be of one length,
-    /// a tile to be whole blocks).
-    fn blocks(&self, block_bytes: usize) -> usize {
-        match self {
+/// A block's columns and its rows' `d` and `m` (`m` is `d` for types without one).
+type Block = (Columns, (__m256, __m256));
+
+/// The number of blocks of `block_bytes` in eight rows, checked to be of one length.
+fn row_blocks(rows: &Rows8<'_>, block_bytes: usize) -> usize {
+    let len = rows[0].len();
+    assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
+    len / block_bytes
+}
+
+/// The number of blocks of `block_bytes` per row in a tile, checked to be whole blocks.
+fn tile_blocks(tile: &[u8], block_bytes: usize) -> usize {
+    assert!(
+        tile.len().is_multiple_of(8 * block_bytes),
+        "a tile of whole blocks"
+    );
+    tile.len() / (8 * block_bytes)
+}
+
+/// `body` with `n`, the block count, and `block`, the block decoder of `src`: `rows(rows, i)`
+/// or `tile(tile, i)` for block `i`. The body is written out once per source, so each decoder
+/// inlines into its own loop (one function serving both was kept out of line, its columns passed
+/// through memory).
+macro_rules! by_source {
+    ($src:expr, $bytes:expr, $rows:expr, $tile:expr, |$n:ident, $block:ident| $body:expr) => {
+        match $src {
             Source::Rows(rows) => {
-                let len = rows[0].len();
-                assert!(rows.iter().all(|r| r.len() == len), "rows of one length");
-                len / block_bytes
+                let ($n, $block) = (row_blocks(&rows, $bytes), |i| $rows(&rows, i));
+                $body
             }
             Source::Tile(t) => {
-                assert!(
-                    t.len().is_multiple_of(8 * block_bytes),
-                    "a tile of whole blocks"
-                );
-                t.len() / (8 * block_bytes)
+                let ($n, $block) = (tile_blocks(t, $bytes), |i| $tile(t, i));
+                $body
             }
         }
-    }
+    };
 }
 
 /// Block `i` of a tile of `BYTES`-byte blocks: its bytes and, as f32 vectors, its eight `d`
@@ -322,70 +339,63 @@ fn tile_word<const SCALES: usize>(part: &[u8], w: usize) -> __m256i {
     ld_32(part, 8 * SCALES + 32 * w)
 }
 
-/// Block `i` of a Q4 source (`SCALES` bytes of scales, then 16 bytes of nibbles) as columns
-/// and scales.
+/// Block `i` of eight Q4 rows (`SCALES` bytes of scales, then 16 bytes of nibbles).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q4_block<const BYTES: usize, const SCALES: usize>(
-    src: Source<'_>,
-    i: usize,
-) -> (Columns, (__m256, __m256)) {
-    match src {
-        Source::Rows(rows) => {
-            let at = i * BYTES;
-            (
-                nibble_columns(&rows, at + SCALES),
-                f16_pairs(words(&rows, at)),
-            )
-        }
-        Source::Tile(t) => {
-            let (p, scales) = tile_block::<BYTES, SCALES>(t, i);
-            let w = |k| tile_word::<SCALES>(p, k);
-            (nibbles([w(0), w(1), w(2), w(3)]), scales)
-        }
-    }
+fn q4_rows<const BYTES: usize, const SCALES: usize>(rows: &Rows8<'_>, i: usize) -> Block {
+    let at = i * BYTES;
+    (
+        nibble_columns(rows, at + SCALES),
+        f16_pairs(words(rows, at)),
+    )
 }
 
-/// Block `i` of a Q5 source (`SCALES` bytes of scales, four bytes of high bits, then 16 bytes
-/// of nibbles) as columns and scales.
+/// [`q4_rows`] from a tile.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q5_block<const BYTES: usize, const SCALES: usize>(
-    src: Source<'_>,
-    i: usize,
-) -> (Columns, (__m256, __m256)) {
-    match src {
-        Source::Rows(rows) => {
-            let at = i * BYTES;
-            (q5_columns::<SCALES>(&rows, at), f16_pairs(words(&rows, at)))
-        }
-        Source::Tile(t) => {
-            let (p, scales) = tile_block::<BYTES, SCALES>(t, i);
-            let w = |k| tile_word::<SCALES>(p, k);
-            let low = nibbles([w(1), w(2), w(3), w(4)]);
-            (with_high_bits(low, w(0)), scales)
-        }
-    }
+fn q4_tile<const BYTES: usize, const SCALES: usize>(tile: &[u8], i: usize) -> Block {
+    let (p, scales) = tile_block::<BYTES, SCALES>(tile, i);
+    let w = |k| tile_word::<SCALES>(p, k);
+    (nibbles([w(0), w(1), w(2), w(3)]), scales)
 }
 
-/// Block `i` of a Q8_0 source as columns and scales.
+/// Block `i` of eight Q5 rows (`SCALES` bytes of scales, four bytes of high bits, then 16
+/// bytes of nibbles).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn q8_block(src: Source<'_>, i: usize) -> (Columns, (__m256, __m256)) {
-    match src {
-        Source::Rows(rows) => {
-            let at = i * 34;
-            (byte_columns(&rows, at + 2), f16_pairs(words(&rows, at)))
-        }
-        Source::Tile(t) => {
-            let (p, scales) = tile_block::<34, 2>(t, i);
-            let mut out = [_mm256_setzero_si256(); 8];
-            for (k, c) in out.iter_mut().enumerate() {
-                *c = tile_word::<2>(p, k);
-            }
-            (out, scales)
-        }
+fn q5_rows<const BYTES: usize, const SCALES: usize>(rows: &Rows8<'_>, i: usize) -> Block {
+    let at = i * BYTES;
+    (q5_columns::<SCALES>(rows, at), f16_pairs(words(rows, at)))
+}
+
+/// [`q5_rows`] from a tile.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q5_tile<const BYTES: usize, const SCALES: usize>(tile: &[u8], i: usize) -> Block {
+    let (p, scales) = tile_block::<BYTES, SCALES>(tile, i);
+    let w = |k| tile_word::<SCALES>(p, k);
+    let low = nibbles([w(1), w(2), w(3), w(4)]);
+    (with_high_bits(low, w(0)), scales)
+}
+
+/// Block `i` of eight Q8_0 rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q8_rows(rows: &Rows8<'_>, i: usize) -> Block {
+    let at = i * 34;
+    (byte_columns(rows, at + 2), f16_pairs(words(rows, at)))
+}
+
+/// [`q8_rows`] from a tile.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q8_tile(tile: &[u8], i: usize) -> Block {
+    let (p, scales) = tile_block::<34, 2>(tile, i);
+    let mut out = [_mm256_setzero_si256(); 8];
+    for (k, c) in out.iter_mut().enumerate() {
+        *c = tile_word::<2>(p, k);
     }
+    (out, scales)
 }
 
 /// `total + (d·d8)·isum` per lane, as the scalar kernels round it.
@@ -450,28 +460,30 @@ macro_rules! row_kernels {
     ) => {
         #[target_feature(enable = $features)]
         pub(super) fn $q4_0(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let block = |i| q4_block::<18, 2>(src, i);
-            offset_tiles(src.blocks(18), acts, out, 8, block, |s, w, q| $add(s, w, q));
+            by_source!(src, 18, q4_rows::<18, 2>, q4_tile::<18, 2>, |n, block| {
+                offset_tiles(n, acts, out, 8, block, |s, w, q| $add(s, w, q))
+            })
         }
 
         #[target_feature(enable = $features)]
         pub(super) fn $q5_0(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let block = |i| q5_block::<22, 2>(src, i);
-            offset_tiles(src.blocks(22), acts, out, 16, block, |s, w, q| {
-                $add(s, w, q)
-            });
+            by_source!(src, 22, q5_rows::<22, 2>, q5_tile::<22, 2>, |n, block| {
+                offset_tiles(n, acts, out, 16, block, |s, w, q| $add(s, w, q))
+            })
         }
 
         #[target_feature(enable = $features)]
         pub(super) fn $q4_1(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let block = |i| q4_block::<20, 4>(src, i);
-            min_tiles(src.blocks(20), acts, out, block, |s, w, q| $add(s, w, q));
+            by_source!(src, 20, q4_rows::<20, 4>, q4_tile::<20, 4>, |n, block| {
+                min_tiles(n, acts, out, block, |s, w, q| $add(s, w, q))
+            })
         }
 
         #[target_feature(enable = $features)]
         pub(super) fn $q5_1(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
-            let block = |i| q5_block::<24, 4>(src, i);
-            min_tiles(src.blocks(24), acts, out, block, |s, w, q| $add(s, w, q));
+            by_source!(src, 24, q5_rows::<24, 4>, q5_tile::<24, 4>, |n, block| {
+                min_tiles(n, acts, out, block, |s, w, q| $add(s, w, q))
+            })
         }
     };
 }
@@ -488,8 +500,9 @@ row_kernels!(
 pub(super) fn q8_0_q8_x8(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
     let accumulate = |sum, w, q| udot_add(sum, _mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
     let finish = |total, isum, d, _, a: &Q8Block| add_scaled(total, d, a.d, isum);
-    let block = |i| q8_block(src, i);
-    tiles(src.blocks(34), acts, out, block, accumulate, finish);
+    by_source!(src, 34, q8_rows, q8_tile, |n, block| {
+        tiles(n, acts, out, block, accumulate, finish)
+    })
 }
 
 /// [`udot`] in one instruction, on CPUs with AVX-512 VNNI (Ice Lake, Zen 4 and later): the same
@@ -525,16 +538,16 @@ row_kernels!(
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) fn q8_0_q8_x8_vnni(src: Source<'_>, acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
     let flip = _mm256_set1_epi8(i8::MIN);
-    let block = |i| {
-        let (mut columns, scales) = q8_block(src, i);
-        for c in &mut columns {
-            *c = _mm256_xor_si256(*c, flip);
-        }
-        (columns, scales)
-    };
-    offset_tiles(src.blocks(34), acts, out, 128, block, |s, w, q| {
-        udot_add_vnni(s, w, q)
-    });
+    by_source!(src, 34, q8_rows, q8_tile, |n, block| {
+        let flipped = |i| {
+            let (mut columns, scales): Block = block(i);
+            for c in &mut columns {
+                *c = _mm256_xor_si256(*c, flip);
+            }
+            (columns, scales)
+        };
+        offset_tiles(n, acts, out, 128, flipped, |s, w, q| udot_add_vnni(s, w, q))
+    })
 }
 
 // ---- exact (f32 activation) kernels ------------------------------------------------------------
