@@ -14,7 +14,8 @@
 //!
 //! Files: [`simd`] (loads, conversions, the shared 16-value products), [`float`] (f32, f16,
 //! bf16 rows), [`blocks`] (the 32-value types q8_0 … q5_1), [`kquant`] (the 256-value k-quants,
-//! one span decoder per type over shared bodies), [`quantize`] (activations to 8-bit blocks).
+//! one span decoder per type over shared bodies), [`tiles`] (the 32-value types' integer kernels
+//! over tiles of eight rows, the one-row kernels' bits), [`quantize`] (activations to 8-bit blocks).
 //!
 //! Little-endian only: the loads reinterpret row bytes as lanes.
 
@@ -24,6 +25,7 @@ mod kquant;
 mod math;
 mod quantize;
 mod simd;
+mod tiles;
 
 use super::{AxpyFn, DotFn, Kernels, Q8Block, Transcendentals};
 use crate::quant::DType;
@@ -106,7 +108,21 @@ static NEON: Kernels = Kernels {
     ],
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
-    dot_q8_tile: super::NO_TILES,
+    dot_q8_tile: [
+        None,
+        None,
+        None,
+        Some(table::q8_0_q8_tile),
+        Some(table::q4_0_q8_tile),
+        Some(table::q4_1_q8_tile),
+        Some(table::q5_0_q8_tile),
+        Some(table::q5_1_q8_tile),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     dot_x8: super::NO_EXACT_ROW_GROUPS,
     dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
@@ -133,7 +149,21 @@ static NEON_DOTPROD: Kernels = Kernels {
     ],
     axpy: AXPY,
     dot_q8_x8: super::NO_ROW_GROUPS,
-    dot_q8_tile: super::NO_TILES,
+    dot_q8_tile: [
+        None,
+        None,
+        None,
+        Some(table_dotprod::q8_0_q8_tile),
+        Some(table_dotprod::q4_0_q8_tile),
+        Some(table_dotprod::q4_1_q8_tile),
+        Some(table_dotprod::q5_0_q8_tile),
+        Some(table_dotprod::q5_1_q8_tile),
+        None,
+        None,
+        None,
+        None,
+        None,
+    ],
     dot_x8: super::NO_EXACT_ROW_GROUPS,
     dot_tokens: super::NO_TOKEN_KERNELS,
     quantize: table::quantize,
@@ -143,7 +173,7 @@ static NEON_DOTPROD: Kernels = Kernels {
 /// Plain-fn wrappers of the NEON kernels, for both tables.
 mod table {
     use super::Q8Block;
-    use super::{blocks, float, kquant, math, quantize as q};
+    use super::{blocks, float, kquant, math, quantize as q, tiles};
 
     macro_rules! wrap {
         ($(fn $name:ident = $kernel:path, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?;)*) => {$(
@@ -193,6 +223,11 @@ mod table {
         fn axpy_q4_k = kquant::axpy_q4_k, (row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q5_k = kquant::axpy_q5_k, (row: &[u8], a: f32, out: &mut [f32]);
         fn axpy_q6_k = kquant::axpy_q6_k, (row: &[u8], a: f32, out: &mut [f32]);
+        fn q8_0_q8_tile = tiles::q8_0_q8_tile, (t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q4_0_q8_tile = tiles::q4_0_q8_tile, (t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q4_1_q8_tile = tiles::q4_1_q8_tile, (t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q5_0_q8_tile = tiles::q5_0_q8_tile, (t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
+        fn q5_1_q8_tile = tiles::q5_1_q8_tile, (t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]);
         fn quantize = q::quantize, (x: &[f32], out: &mut [Q8Block]);
         fn silu_mul = math::silu_mul, (gate: &mut [f32], up: &[f32]);
         fn gelu_mul = math::gelu_mul, (gate: &mut [f32], up: &[f32]);
@@ -203,7 +238,24 @@ mod table {
 /// Plain-fn wrappers of the `sdot` integer kernels, for [`NEON_DOTPROD`] only.
 mod table_dotprod {
     use super::Q8Block;
-    use super::{blocks, kquant};
+    use super::{blocks, kquant, tiles};
+
+    macro_rules! wrap_tiles {
+        ($(fn $name:ident = $kernel:path;)*) => {$(
+            pub(super) fn $name(t: &[u8], acts: &[&[Q8Block]], out: &mut [[f32; 8]]) {
+                // SAFETY: as for the one-row wrappers below.
+                unsafe { $kernel(t, acts, out) }
+            }
+        )*};
+    }
+
+    wrap_tiles! {
+        fn q8_0_q8_tile = tiles::q8_0_q8_tile_sdot;
+        fn q4_0_q8_tile = tiles::q4_0_q8_tile_sdot;
+        fn q4_1_q8_tile = tiles::q4_1_q8_tile_sdot;
+        fn q5_0_q8_tile = tiles::q5_0_q8_tile_sdot;
+        fn q5_1_q8_tile = tiles::q5_1_q8_tile_sdot;
+    }
 
     macro_rules! wrap {
         ($(fn $name:ident = $kernel:path;)*) => {$(

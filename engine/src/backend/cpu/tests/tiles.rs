@@ -108,3 +108,15 @@ fn pieces_of_a_tiled_matrix_keep_whole_tiles() {
             .is_none()
     );
 }
+
+/// Every SIMD table has a tile kernel for every type that tiles (so a load for it stores them
+/// as tiles, and the test above compares those kernels); the scalar table untiles.
+#[test]
+fn every_simd_table_reads_tiles_of_every_tiling_type() {
+    for k in tables() {
+        for dtype in DTYPES {
+            let want = k.name() != "scalar" && tiles::tiles(dtype);
+            assert_eq!(k.reads_tiles(dtype), want, "{} {dtype}", k.name());
+        }
+    }
+}
