@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::cpu::{self, Kernels, Precision};
+use crate::backend::select::Backend;
 use crate::kv::{KvCache, KvType};
 use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::quant::DType;
@@ -67,15 +68,16 @@ impl Model {
         Model::load_in_pieces(path, crate::plan::PIECE_BYTES)
     }
 
-    /// [`Model::load`] in the layout that is fastest for sessions of `precision` on this CPU:
-    /// for [`Precision::Fast`], the matrices whose eight-row kernels read tiles
-    /// ([`Kernels::reads_tiles`]) stored as tiles ([`crate::quant::tiles`]); for
-    /// [`Precision::Exact`], as rows. Either model computes the same bits in either precision;
-    /// an exact session on tiles untiles each group of eight rows as it reads it, which is
-    /// slower.
-    pub fn load_for(path: &Path, precision: Precision) -> Result<Arc<Model>> {
+    /// [`Model::load`] in the layout that is fastest for sessions of `precision` on `backend`:
+    /// on the CPU in [`Precision::Fast`], the matrices whose eight-row kernels read tiles
+    /// ([`Kernels::reads_tiles`]) stored as tiles ([`crate::quant::tiles`]); otherwise as rows
+    /// (the GPU uploads rows). On the CPU either layout computes the same bits in either
+    /// precision; an exact session on tiles untiles each group of eight rows as it reads it,
+    /// which is slower.
+    pub fn load_for(path: &Path, precision: Precision, backend: Backend) -> Result<Arc<Model>> {
         let k = Kernels::best();
-        if precision == Precision::Exact || !DType::ALL.iter().any(|&d| k.reads_tiles(d)) {
+        let tiles = DType::ALL.iter().any(|&d| k.reads_tiles(d));
+        if backend != Backend::Cpu || precision == Precision::Exact || !tiles {
             return Model::load(path);
         }
         let (weights, tokenizer, chat_template) =

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use leanstream_engine::backend::select::Backend;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::generate::score;
 use leanstream_engine::kv::KvType;
@@ -57,7 +58,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
             args.kv_type,
             leanstream_engine::plan::PlacementPolicy::Dense,
         )?,
-        None => Model::load_for(&args.model, args.precision.into())?,
+        None => Model::load_for(&args.model, args.precision.into(), Backend::Cpu)?,
     };
     let mut ids = model.tokenizer.encode(&text)?;
     if args.tokens > 0 {

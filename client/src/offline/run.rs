@@ -154,6 +154,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .then(|| leanstream_engine::model::summarize(&args.model).ok())
         .flatten()
         .map(|s| s.quantization);
+    let backend = super::resolve_backend(args.backend)?;
     let model = match args.memory_budget {
         Some(budget) => {
             let context = args.context.unwrap_or(super::PLANNED_CONTEXT);
@@ -169,7 +170,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             m
         }
-        None => Model::load_for(&args.model, args.precision.into())?,
+        None => Model::load_for(&args.model, args.precision.into(), backend)?,
     };
     let text = if args.chat {
         chat_prompt(&model, &args.prompt)?
@@ -189,7 +190,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         default.min(model.weights.config.context_length)
     });
-    let backend = super::resolve_backend(args.backend)?;
     // A plan that streams FFN layers by neuron runs them through its sparse executor.
     let mut exec = Executor::for_plan(&model, args.sparse_policy, 4, args.precision.into())?;
     let decoder = open_decoder(

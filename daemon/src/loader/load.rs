@@ -46,7 +46,9 @@ impl LoadedModel {
                         )),
                         e => failed(e),
                     })?,
-                None => Model::load_for(&file.path, params.precision).map_err(failed)?,
+                None => {
+                    Model::load_for(&file.path, params.precision, params.backend).map_err(failed)?
+                }
             };
             if let Some(plan) = model.plan() {
                 tracing::info!(

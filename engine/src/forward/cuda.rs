@@ -37,6 +37,12 @@ struct DeviceMatrix {
 
 impl DeviceMatrix {
     fn new(what: &str, m: &QRows) -> Result<DeviceMatrix> {
+        if m.tiled_rows() > 0 {
+            return Err(Error::Cuda(format!(
+                "{what}: stored as tiles for the CPU's kernels; load the model for the GPU \
+                 (Model::load_for with Backend::Cuda)"
+            )));
+        }
         let mut packed = Vec::with_capacity(m.stored_bytes());
         for r in 0..m.rows {
             packed.extend_from_slice(m.row(r));

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use crate::common::real_gguf;
 use leanstream_engine::backend::cpu::{Kernels, Precision};
+use leanstream_engine::backend::select::Backend;
 use leanstream_engine::forward::{Model, Session};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
@@ -31,7 +32,15 @@ fn logits(model: &Arc<Model>, precision: Precision) -> Vec<Vec<u32>> {
 
 fn same_bits_as_rows(path: &Path, dtype: DType, what: &str) {
     let rows = Model::load(path).expect("load as rows");
-    let tiled = Model::load_for(path, Precision::Fast).expect("load for the fast path");
+    let tiled =
+        Model::load_for(path, Precision::Fast, Backend::Cpu).expect("load for the fast path");
+    // The GPU reads rows: a load for it makes no tiles.
+    let for_gpu = Model::load_for(path, Precision::Fast, Backend::Cuda).expect("load for the GPU");
+    assert_eq!(
+        for_gpu.weights.layers[0].wq.tiled_rows(),
+        0,
+        "{what}: tiles for the GPU"
+    );
     // The check below must be able to fail: where the kernels read tiles, the load made some.
     let made = tiled.weights.layers[0].wq.tiled_rows() > 0;
     assert_eq!(
