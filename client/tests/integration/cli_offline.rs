@@ -37,6 +37,36 @@ fn err_text(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// Fast precision loads the projections as tiles of eight rows; every thread count splits them
+/// on tile boundaries and gives the same tokens. Five threads split SmolLM2's 1,536 FFN rows
+/// into tasks of 77, which are rounded up to whole tiles.
+#[test]
+fn fast_runs_on_tiles_give_the_same_ids_at_any_thread_count() {
+    let m = real_gguf();
+    let run = |threads: &str| {
+        let v = ok_json(&[
+            "run",
+            "--model",
+            m.to_str().unwrap(),
+            "--prompt",
+            "Once upon a time, there was a little",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--precision",
+            "fast",
+            "--threads",
+            threads,
+            "--json",
+        ]);
+        ids(&v["ids"])
+    };
+    let one = run("1");
+    assert_eq!(one.len(), 12);
+    assert_eq!(run("5"), one);
+}
+
 #[test]
 fn run_json_gives_the_fixture_greedy_ids() {
     let m = real_gguf();

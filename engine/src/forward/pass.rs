@@ -419,11 +419,13 @@ fn gate_up(
 ) {
     let (gm, um) = (&v.m[0], &v.m[1]);
     let (gate, up) = (Disjoint::new(gate), Disjoint::new(up));
+    // Whole tiles per task: a range of rows never starts inside one.
     let chunk = v
         .rows
         .len()
         .div_ceil(4 * cpu::compute_threads())
-        .max(cpu::FUSED_ROWS);
+        .max(cpu::FUSED_ROWS)
+        .next_multiple_of(crate::quant::tiles::TILE_ROWS);
     cpu::for_each_chunk(v.rows.len(), chunk, |r| {
         for t0 in (0..n).step_by(TOKEN_GROUP) {
             let t1 = (t0 + TOKEN_GROUP).min(n);
