@@ -115,13 +115,27 @@ impl QRows {
     /// The bytes of rows `8g..8g + 8` as one tile. Panics unless those rows are tiled.
     #[inline]
     pub fn tile(&self, g: usize) -> &[u8] {
+        self.tiles(g * TILE_ROWS..(g + 1) * TILE_ROWS)
+    }
+
+    /// The tiles of rows `range`, back to back (each `8 · row_bytes` long). Panics unless the
+    /// range is empty or starts and ends on tile boundaries inside the tiled rows.
+    #[inline]
+    pub fn tiles(&self, range: std::ops::Range<usize>) -> &[u8] {
+        if range.is_empty() {
+            return &[];
+        }
         assert!(
-            (g + 1) * TILE_ROWS <= self.tiled_rows(),
-            "tile {g} of {} tiled rows",
+            range.start.is_multiple_of(TILE_ROWS)
+                && range.end.is_multiple_of(TILE_ROWS)
+                && range.start <= range.end
+                && range.end <= self.tiled_rows(),
+            "rows {range:?} are not whole tiles of {} tiled rows",
             self.tiled_rows()
         );
-        let (len, at) = (TILE_ROWS * self.row_bytes(), self.offset(g * TILE_ROWS));
-        &self.data.as_slice()[at..at + len]
+        let rb = self.row_bytes();
+        let at = self.first + range.start * rb;
+        &self.data.as_slice()[at..at + range.len() * rb]
     }
 
     fn assert_not_tiled(&self, range: std::ops::Range<usize>) {

@@ -32,9 +32,6 @@ use super::DType;
 /// Values per k-quant super-block.
 pub const QK_K: usize = 256;
 
-/// The f16 at `b[at..]` as f32. Inlined: the k-quant kernels call it per super-block through
-/// [`groups`], and a call there was 2 % of Gemma's prefill.
-#[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }

@@ -572,13 +572,14 @@ impl Kernels {
         };
         // Tiled rows first, a tile at a time; then the rows stored as rows.
         let tiled_end = m.tiled_rows().clamp(first, first + len);
-        for at in (first..tiled_end).step_by(TILE_ROWS) {
-            assert!(
-                at.is_multiple_of(TILE_ROWS),
-                "rows from {first} start inside a tile"
-            );
-            let k = at - first;
-            self.tile_dot_each(m, at / TILE_ROWS, &acts, n, |t, r| {
+        let tile_bytes = TILE_ROWS * m.row_bytes();
+        for (g, tile) in m
+            .tiles(first..tiled_end)
+            .chunks_exact(tile_bytes)
+            .enumerate()
+        {
+            let k = g * TILE_ROWS;
+            self.tile_dot_each(m, tile, &acts, n, |t, r| {
                 outs[t][k..k + TILE_ROWS].copy_from_slice(r)
             });
         }
@@ -600,19 +601,18 @@ impl Kernels {
         self.dot_q8_tile[dtype_index(dtype)].is_some()
     }
 
-    /// The eight rows of tile `g` of `m` against the first `n` tokens of `acts`: `put(t, r)`
-    /// with token `t`'s eight results. Through the tile kernel where the table has one and the
+    /// The eight rows of `tile` (one of `m`'s) against the first `n` tokens of `acts`:
+    /// `put(t, r)` with token `t`'s eight results. Through the tile kernel where the table has one and the
     /// activations are quantised; otherwise the rows are untiled into a per-thread buffer and
     /// computed as rows (the same bits either way: the tile kernel gives the row kernel's).
     fn tile_dot_each(
         &self,
         m: &QRows,
-        g: usize,
+        tile: &[u8],
         acts: &Acts<'_>,
         n: usize,
         mut put: impl FnMut(usize, &[f32]),
     ) {
-        let tile = m.tile(g);
         let mut res = [[0f32; TILE_ROWS]; TOKEN_GROUP];
         if let (Acts::Fast(a), Some(dot)) = (acts, self.dot_q8_tile[dtype_index(m.dtype)]) {
             dot(tile, &a[..n], &mut res[..n]);
