@@ -80,30 +80,30 @@ impl Model {
         if backend != Backend::Cpu || precision == Precision::Exact || !tiles {
             return Model::load(path);
         }
-        let (weights, tokenizer, chat_template) =
-            crate::model::load_tiled(path, &|d| k.reads_tiles(d))?;
-        Ok(Arc::new(Model {
-            path: path.to_path_buf(),
-            weights,
-            tokenizer,
-            chat_template,
-            planned: None,
-            piece_bytes: crate::plan::PIECE_BYTES,
-        }))
+        let loaded = crate::model::load_tiled(path, &|d| k.reads_tiles(d))?;
+        Ok(Model::whole(path, loaded, crate::plan::PIECE_BYTES))
     }
 
     /// [`Model::load`], the layers computed in pieces of at most `piece_bytes` (what a planned
     /// model of the same size of piece computes, bit for bit).
     pub fn load_in_pieces(path: &Path, piece_bytes: usize) -> Result<Arc<Model>> {
-        let (weights, tokenizer, chat_template) = crate::model::load(path)?;
-        Ok(Arc::new(Model {
+        Ok(Model::whole(path, crate::model::load(path)?, piece_bytes))
+    }
+
+    /// A model read whole (no plan) from `path`: its weights, tokenizer and chat template.
+    fn whole(
+        path: &Path,
+        (weights, tokenizer, chat_template): (Weights, Tokenizer, Option<String>),
+        piece_bytes: usize,
+    ) -> Arc<Model> {
+        Arc::new(Model {
             path: path.to_path_buf(),
             weights,
             tokenizer,
             chat_template,
             planned: None,
             piece_bytes,
-        }))
+        })
     }
 }
 

@@ -378,6 +378,20 @@ const NO_ROW_GROUPS: [Option<DotQ8x8Fn>; DType::ALL.len()] = [None; DType::ALL.l
 /// A `dot_q8_tile` column for tables without tile kernels.
 const NO_TILES: [Option<DotQ8TileFn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
+/// A `dot_q8_tile` column from the tile kernels of the types that tile, in the order
+/// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
+const fn tile_column(
+    [q8_0, q4_0, q4_1, q5_0, q5_1]: [DotQ8TileFn; 5],
+) -> [Option<DotQ8TileFn>; DType::ALL.len()] {
+    let mut column = NO_TILES;
+    column[dtype_index(DType::Q8_0)] = Some(q8_0);
+    column[dtype_index(DType::Q4_0)] = Some(q4_0);
+    column[dtype_index(DType::Q4_1)] = Some(q4_1);
+    column[dtype_index(DType::Q5_0)] = Some(q5_0);
+    column[dtype_index(DType::Q5_1)] = Some(q5_1);
+    column
+}
+
 /// A `dot_x8` column for tables without eight-row exact kernels.
 const NO_EXACT_ROW_GROUPS: [Option<DotX8Fn>; DType::ALL.len()] = [None; DType::ALL.len()];
 
@@ -396,7 +410,7 @@ pub const TOKEN_GROUP: usize = 16;
 /// Where `dtype`'s kernels sit in a table: its position in [`DType::ALL`], which is its
 /// declaration order (a test checks the two agree).
 #[inline]
-fn dtype_index(dtype: DType) -> usize {
+const fn dtype_index(dtype: DType) -> usize {
     dtype as usize
 }
 
