@@ -7,7 +7,7 @@
 #define LS_ATT_PER_LANE (LS_ATT_MAX_HEAD / LS_WARP)
 
 // attention_decode: for query head h (KV head h / (n_heads / n_kv_heads)),
-//   s_p = q_h . k_p / sqrt(head_dim) for p in 0..n_pos,  out_h = sum_p softmax(s)_p * v_p.
+//   s_p = q_h . k_p / sqrt(head_dim) for p in first..n_pos,  out_h = sum_p softmax(s)_p * v_p.
 // Each warp takes positions w, w + 4, ... with an online softmax (running max, running sum and a
 // running weighted sum of values in registers); the four warps are merged at the end. No shared
 // memory grows with n_pos, so any context length works.
@@ -19,12 +19,13 @@
 //              [g * head_dim, (g + 1) * head_dim) (after RoPE)
 //   v_cache    same layout, values
 //   out        n_heads x head_dim f32, overwritten
-//   n_pos      positions to attend to (the current one included), >= 1
+//   first      the first position attended (0, or where a sliding window starts), < n_pos
+//   n_pos      positions in the cache up to the current one (included), >= 1
 //   n_heads, n_kv_heads  n_heads a multiple of n_kv_heads
-//   head_dim   a multiple of 32, at most 256
+//   head_dim   at most 256 (lane l holds elements l, l + 32, ... below head_dim)
 //   kv_stride  f32 between consecutive positions (n_kv_heads * head_dim for a dense cache)
 extern "C" __global__ void attention_decode(const float* q, const float* k_cache,
-                                            const float* v_cache, float* out, int n_pos,
+                                            const float* v_cache, float* out, int first, int n_pos,
                                             int n_heads, int n_kv_heads, int head_dim,
                                             int kv_stride) {
     __shared__ float s_max[LS_ATT_WARPS];
@@ -33,7 +34,6 @@ extern "C" __global__ void attention_decode(const float* q, const float* k_cache
     const int h = blockIdx.x;
     const int warp = threadIdx.x / LS_WARP;
     const int lane = threadIdx.x % LS_WARP;
-    const int per_lane = head_dim / LS_WARP; // lane holds elements lane + 32 t
     const int kv_off = (h / (n_heads / n_kv_heads)) * head_dim;
     const float* qh = q + (long long)h * head_dim;
     const float scale = 1.0f / sqrtf((float)head_dim);
@@ -42,17 +42,17 @@ extern "C" __global__ void attention_decode(const float* q, const float* k_cache
     float acc[LS_ATT_PER_LANE];
 #pragma unroll
     for (int t = 0; t < LS_ATT_PER_LANE; t++) {
-        qv[t] = t < per_lane ? qh[lane + LS_WARP * t] : 0.0f;
+        qv[t] = lane + LS_WARP * t < head_dim ? qh[lane + LS_WARP * t] : 0.0f;
         acc[t] = 0.0f;
     }
     float m = -LS_INF, l = 0.0f;
-    for (int p = warp; p < n_pos; p += LS_ATT_WARPS) {
+    for (int p = first + warp; p < n_pos; p += LS_ATT_WARPS) {
         const float* kp = k_cache + (long long)p * kv_stride + kv_off;
         const float* vp = v_cache + (long long)p * kv_stride + kv_off;
         float s = 0.0f;
 #pragma unroll
         for (int t = 0; t < LS_ATT_PER_LANE; t++)
-            if (t < per_lane) s += qv[t] * kp[lane + LS_WARP * t];
+            if (lane + LS_WARP * t < head_dim) s += qv[t] * kp[lane + LS_WARP * t];
         s = ls_warp_sum(s) * scale;
         const float m_new = fmaxf(m, s);
         const float corr = expf(m - m_new); // 0 on the first position (m = -inf)
@@ -60,7 +60,7 @@ extern "C" __global__ void attention_decode(const float* q, const float* k_cache
         l = l * corr + e;
 #pragma unroll
         for (int t = 0; t < LS_ATT_PER_LANE; t++)
-            if (t < per_lane) acc[t] = acc[t] * corr + e * vp[lane + LS_WARP * t];
+            if (lane + LS_WARP * t < head_dim) acc[t] = acc[t] * corr + e * vp[lane + LS_WARP * t];
         m = m_new;
     }
     if (lane == 0) {
@@ -69,7 +69,7 @@ extern "C" __global__ void attention_decode(const float* q, const float* k_cache
     }
 #pragma unroll
     for (int t = 0; t < LS_ATT_PER_LANE; t++)
-        if (t < per_lane) s_acc[warp][lane + LS_WARP * t] = acc[t];
+        if (lane + LS_WARP * t < head_dim) s_acc[warp][lane + LS_WARP * t] = acc[t];
     __syncthreads();
 
     // Merge the warps: weights exp(m_w - M), warps that saw no position have l = 0.

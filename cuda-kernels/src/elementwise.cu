@@ -29,18 +29,20 @@ extern "C" __global__ void rmsnorm(float* out, const float* x, const float* weig
 }
 
 // rope: rotates each head of x in place by position pos. For pair i in 0..head_dim/2,
-// theta = pos * base^(-2i / head_dim), and the pair (a, b) becomes
+// theta = pos * inv_freq[i] (the layer's frequencies: base^(-2i / head_dim), divided by any
+// scaling factor; engine/src/model/config.rs rope_inv_freq), and the pair (a, b) becomes
 // (a cos - b sin, a sin + b cos), where (a, b) = (x[2i], x[2i+1]) for style 0 (AdjacentPairs,
 // GGUF llama) or (x[i], x[i + head_dim/2]) for style 1 (HalfSplit, Hugging Face).
 //
-// Grid:  (n_heads); block: (head_dim / 2), head_dim even and at most 2048.
-// Args:  x  n_heads x head_dim f32 (call once for Q, once for K).
-extern "C" __global__ void rope(float* x, int head_dim, int pos, float base, int style) {
+// Grid:  (n_heads); block: (head_dim / 2 rounded up to a warp), head_dim even, at most 2048.
+// Args:  x  n_heads x head_dim f32 (call once for Q, once for K); inv_freq  head_dim / 2 f32.
+extern "C" __global__ void rope(float* x, int head_dim, int pos, const float* inv_freq,
+                                int style) {
     const int i = threadIdx.x;
     const int half = head_dim / 2;
     if (i >= half) return;
     float* head = x + (long long)blockIdx.x * head_dim;
-    const float theta = (float)pos * powf(base, -2.0f * (float)i / (float)head_dim);
+    const float theta = (float)pos * inv_freq[i];
     float s, c;
     sincosf(theta, &s, &c);
     const int a = style == 0 ? 2 * i : i;

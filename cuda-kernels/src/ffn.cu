@@ -15,9 +15,14 @@
 
 #define LS_FFN_WARPS 8 // warps per block of ffn_gate_up_gathered (block = 256 threads)
 
-// Activation codes (engine/src/model/config.rs FfnActivation): 0 = SiLU (SwiGLU), 1 = ReLU.
+// Activation codes (engine/src/model/config.rs FfnActivation): 0 = SiLU (SwiGLU), 1 = ReLU,
+// 2 = GELU with the tanh approximation (GeGLU), written as g / (1 + e^(-2u)) with
+// u = sqrt(2/pi) (g + 0.044715 g^3), the CPU's form.
 __device__ __forceinline__ float ls_activation(int act, float g) {
-    return act == 0 ? g / (1.0f + expf(-g)) : fmaxf(g, 0.0f);
+    if (act == 0) return g / (1.0f + expf(-g));
+    if (act == 1) return fmaxf(g, 0.0f);
+    const float u = 0.7978846f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + expf(-2.0f * u));
 }
 
 // ffn_gate_up_gathered: for every neuron j of every listed chunk,
@@ -33,7 +38,7 @@ __device__ __forceinline__ float ls_activation(int act, float g) {
 //   d_model        width of x (a multiple of 32 for block types)
 //   bundle_bytes, up_at   bundle geometry as in ChunkLayout
 //   gate_dtype, up_dtype  element types (common.cuh)
-//   act            0 = SiLU, 1 = ReLU;  threshold: |a| below it counts as inactive (0 keeps all)
+//   act            0 = SiLU, 1 = ReLU, 2 = GELU (tanh);  threshold: |a| below it counts as inactive (0 keeps all)
 //   x              d_model f32 (the FFN-normed residual)
 //   h              n_ff f32, the layer's activations; only the listed chunks' ranges are written
 //   active         optional u32 counter (may be null)

@@ -17,10 +17,10 @@
 //! before writing into it (counted by [`Session::kv_growth_bytes`], made by
 //! [`Session::grow_kv`]). The accounting rule is stated at the top of `kv/cache.rs`.
 
-#[cfg(feature = "cuda")]
-mod cuda;
 mod decode;
 mod footprint;
+mod gpu;
+mod layer;
 mod pass;
 mod planned;
 mod scratch;
@@ -36,10 +36,9 @@ use crate::model::{LayerWeights, ModelConfig, Weights};
 use crate::quant::DType;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
-#[cfg(feature = "cuda")]
-pub use cuda::{CudaModel, CudaSession};
 pub use decode::Decode;
 pub use footprint::{ModelBytes, load_bytes_estimate};
+pub use gpu::{GpuModel, GpuSession};
 use pass::{Pass, Row, Seat, never};
 use planned::HeadSpan;
 pub use planned::Planned;
@@ -302,10 +301,11 @@ impl Session {
         for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
             let mut pass = self.pass(batch.len());
             pass.embed(batch)?;
-            pass.layers(&never)?;
+            pass.layers(None, &never)?;
             if b == last {
                 pass.head(&[batch.len() - 1])?;
             }
+            drop(pass); // it borrows the session
             self.pos += batch.len();
         }
         Ok(&mut self.s.logits)
@@ -319,8 +319,9 @@ impl Session {
         self.grow_kv(1)?;
         let mut pass = self.pass(1);
         pass.embed(&[token])?;
-        pass.layers_with(exec, &never)?;
+        pass.layers(Some(exec), &never)?;
         pass.head(&[0])?;
+        drop(pass); // it borrows the session
         self.pos += 1;
         Ok(&mut self.s.logits)
     }
@@ -341,11 +342,12 @@ impl Session {
         for (b, batch) in tokens.chunks(MAX_BATCH).enumerate() {
             let mut pass = self.pass(batch.len());
             pass.embed(batch)?;
-            pass.layers_with(exec, &never)?;
+            pass.layers(Some(exec), &never)?;
             for t in 0..batch.len() {
                 pass.head(&[t])?;
                 logits(b * MAX_BATCH + t, pass.seats[0].logits)?;
             }
+            drop(pass); // it borrows the session
             self.pos += batch.len();
         }
         Ok(())
@@ -381,11 +383,9 @@ impl Session {
         let mut pass = self.pass(n);
         pass.seats[0].logits = out;
         pass.embed(tokens)?;
-        match exec {
-            Some(exec) => pass.layers_with(exec, &never)?,
-            None => pass.layers(&never)?,
-        };
+        pass.layers(exec, &never)?;
         pass.head(&rows)?;
+        drop(pass); // it borrows the session
         self.pos += n;
         Ok(())
     }
@@ -441,9 +441,10 @@ impl Session {
             let row = &mut out[i * width..(i + 1) * width];
             pass.seats[0].logits = row;
             pass.embed(&fed[i..=i])?;
-            pass.layers(&never)?;
+            pass.layers(None, &never)?;
             pass.head_span(&[0], HeadSpan::Resident)?;
             hidden[i * d..(i + 1) * d].copy_from_slice(&pass.work.x[..d]);
+            drop(pass); // it borrows the session
             self.pos += 1;
             if i + 1 < n {
                 let shortlist = &out[i * width..i * width + kept];
@@ -501,6 +502,7 @@ impl Session {
                 logits,
             }],
             rows: (pos..pos + n).map(|pos| Row { seat: 0, pos }).collect(),
+            pieces: None,
         }
     }
 
@@ -658,16 +660,18 @@ pub fn forward_each_rows(
         work: work.expect("at least one session"),
         seats,
         rows,
+        pieces: None,
     };
     let tokens = pieces.concat();
     pass.embed(&tokens)?;
     let ran = match exec {
-        Some(exec) => pass.layers_with(exec, stop)?,
-        None => pass.layers(stop)?,
+        Some(exec) => pass.layers(Some(exec), stop)?,
+        None => pass.layers(None, stop)?,
     };
     if ran {
         pass.head(&head_rows)?;
     }
+    drop(pass); // it borrows the sessions
     if ran {
         for (s, piece) in sessions.iter_mut().zip(pieces) {
             s.pos += piece.len();

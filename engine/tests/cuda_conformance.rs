@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use leanstream_engine::backend::cpu::Precision;
 use leanstream_engine::backend::cuda::CudaBackend;
-use leanstream_engine::forward::{CudaModel, CudaSession, Session};
+use leanstream_engine::forward::{GpuModel, GpuSession, Session};
 use leanstream_engine::kv::KvType;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, SparseModel};
 use leanstream_engine::sample::argmax;
@@ -71,13 +71,13 @@ fn dense_greedy_ids_on_the_real_model_equal_the_cpu() {
     let Some(g) = gpu("dense oracle") else { return };
     let sm = SparseModel::open(&oracle_lsm(), false).unwrap();
     let want = cpu_ids(&sm);
-    let model = Arc::new(CudaModel::new(Arc::new(g), Arc::clone(&sm.model), true).unwrap());
-    let mut s = CudaSession::new(Arc::clone(&model), 128).unwrap();
+    let model = Arc::new(GpuModel::new(Arc::new(g), Arc::clone(&sm.model), true).unwrap());
+    let mut s = GpuSession::new(Arc::clone(&model), 128).unwrap();
     let got = greedy(|t| s.forward(t).unwrap().to_vec());
     assert_eq!(got, want, "GPU vs CPU greedy ids");
 
     // The device-side argmax picks the same token as the host's over the same logits.
-    let mut s = CudaSession::new(model, 128).unwrap();
+    let mut s = GpuSession::new(model, 128).unwrap();
     s.forward_batch(&PROMPT[..PROMPT.len() - 1]).unwrap();
     assert_eq!(s.forward_greedy(PROMPT[PROMPT.len() - 1]).unwrap(), want[0]);
 }
@@ -90,7 +90,7 @@ fn streaming_modes_on_the_gpu_equal_the_cpu_with_sparsity_off() {
     let g = Arc::new(g);
     let sm = Arc::new(SparseModel::open(&oracle_lsm(), false).unwrap());
     let want = cpu_ids(&sm);
-    let model = Arc::new(CudaModel::new(Arc::clone(&g), Arc::clone(&sm.model), false).unwrap());
+    let model = Arc::new(GpuModel::new(g.clone(), Arc::clone(&sm.model), false).unwrap());
     // A quarter of the FFN: chunks are evicted and read (and copied to the device) again.
     let budget = sm.layout.streamed_bytes() / 4;
     for mode in [Mode::OnDemand, Mode::Prefetch, Mode::LeanStream] {
@@ -106,7 +106,7 @@ fn streaming_modes_on_the_gpu_equal_the_cpu_with_sparsity_off() {
         };
         let mut exec = Executor::new(&sm, opts).unwrap();
         exec.use_cuda(Arc::clone(&g)).unwrap();
-        let mut s = CudaSession::new(Arc::clone(&model), 128).unwrap();
+        let mut s = GpuSession::new(Arc::clone(&model), 128).unwrap();
         let got = greedy(|t| s.forward_with(t, &mut exec).unwrap().to_vec());
         assert_eq!(got, want, "{mode} on the GPU vs dense on the CPU");
         let stats = exec.stats();

@@ -8,8 +8,9 @@ extern "C" int ls_host_rmsnorm(LsLaunch g, float* out, const float* x, const flo
     return ls_host::launch(g, [=] { rmsnorm(out, x, weight, n, eps); });
 }
 
-extern "C" int ls_host_rope(LsLaunch g, float* x, int head_dim, int pos, float base, int style) {
-    return ls_host::launch(g, [=] { rope(x, head_dim, pos, base, style); });
+extern "C" int ls_host_rope(LsLaunch g, float* x, int head_dim, int pos, const float* inv_freq,
+                            int style) {
+    return ls_host::launch(g, [=] { rope(x, head_dim, pos, inv_freq, style); });
 }
 
 extern "C" int ls_host_silu_mul(LsLaunch g, float* gate, const float* up, int n) {

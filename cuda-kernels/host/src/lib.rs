@@ -1,18 +1,22 @@
 //! The CUDA kernels of `cuda-kernels/src/`, compiled as C++ for the host (`cuda_host.h`: each
-//! CUDA thread a host thread, `__syncthreads` and warp shuffles as barriers) and driven through
-//! [`KernelOps`], so the engine's conformance bodies check their indexing and arithmetic on a
-//! machine without a GPU (`cuda-kernels/host-check`, `tests/conformance.rs`).
+//! CUDA thread a host thread, `__syncthreads` and warp shuffles as barriers), as a
+//! [`Device`] whose memory is host memory. Everything the engine writes against `Device` runs
+//! on them: the conformance bodies (`tests/conformance.rs`), and the GPU's whole forward pass
+//! against the CPU's (`tests/forward.rs`), so the kernels' indexing and arithmetic, and the
+//! pass's buffers and offsets, are checked on a machine without a GPU
+//! (`cuda-kernels/host-check`).
 //!
-//! [`HostKernels`] is the CUDA backend's `ops.rs` with host vectors for device buffers: the same
-//! argument checks (`backend::ops`), the same launch geometry and argument codes
-//! (`backend::launch`), the same kernels. A test harness only; nothing ships it.
+//! [`HostKernels`] is the CUDA backend's `kernels.rs` with host pointers for device addresses:
+//! the same launch geometry and argument codes (`backend::launch`), the same kernels. A launch
+//! returns when the kernel has run, so the queue is always empty. A test harness only; nothing
+//! ships it.
 
+use leanstream_engine::backend::device::{Addr, Allocation, Device, Elementwise, Gathered};
 use leanstream_engine::backend::launch::{self, Launch, dtype_code, int};
-use leanstream_engine::backend::ops::{
-    AttentionShape, FfnChunks, FfnOutput, KernelOps, Matrix, check_ffn, check_heads, check_rows,
-    check_top_k, expect_len,
-};
-use leanstream_engine::model::RopeStyle;
+use leanstream_engine::backend::ops::AttentionShape;
+use leanstream_engine::model::lsm::ChunkLayout;
+use leanstream_engine::model::{FfnActivation, RopeStyle};
+use leanstream_engine::quant::DType;
 use leanstream_engine::{Error, Result};
 
 /// A launch as `cuda_host.h` takes it (`LsLaunch`).
@@ -51,7 +55,7 @@ unsafe extern "C" {
         x: *mut f32,
         head_dim: i32,
         pos: i32,
-        base: f32,
+        inv_freq: *const f32,
         style: i32,
     ) -> i32;
     fn ls_host_silu_mul(g: Geometry, gate: *mut f32, up: *const f32, n: i32) -> i32;
@@ -72,6 +76,7 @@ unsafe extern "C" {
         k_cache: *const f32,
         v_cache: *const f32,
         out: *mut f32,
+        first: i32,
         n_pos: i32,
         n_heads: i32,
         n_kv_heads: i32,
@@ -136,152 +141,198 @@ fn launched(kernel: &str, code: i32) -> Result<()> {
     )))
 }
 
-/// The kernels of `cuda-kernels/src/` running on the host's CPU.
+/// Host memory standing in for device memory: u64 words, so every type the kernels read is
+/// aligned, freed on drop.
+#[derive(Debug)]
+struct HostMemory {
+    words: *mut [u64],
+}
+
+// SAFETY: the memory is owned by this value alone and never touched through `&self`; what is
+// written through its address is the caller's business, as on a GPU.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above.
+unsafe impl Sync for HostMemory {}
+
+impl Allocation for HostMemory {
+    fn addr(&self) -> Addr {
+        Addr(self.words.cast::<u64>() as u64)
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        // SAFETY: made by `Box::into_raw` in `alloc`, freed once here.
+        drop(unsafe { Box::from_raw(self.words) });
+    }
+}
+
+/// A device address as the host pointer it is.
+fn ptr<T>(a: Addr) -> *mut T {
+    a.0 as usize as *mut T
+}
+
+/// The kernels of `cuda-kernels/src/` running on the host's CPU, over host memory.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostKernels;
 
-impl KernelOps for HostKernels {
+impl Device for HostKernels {
     fn name(&self) -> String {
         "cuda kernels on the host".into()
     }
 
-    fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>> {
-        let rows = check_rows(x, weight)?;
-        let mut out = vec![0.0; x.len()];
-        let g = launch::rmsnorm(rows)?.into();
-        // SAFETY: rows × n values behind out and x, n behind weight; the call returns after the
-        // kernel has finished with them.
-        let code = unsafe {
-            ls_host_rmsnorm(
-                g,
-                out.as_mut_ptr(),
-                x.as_ptr(),
-                weight.as_ptr(),
-                int("n", weight.len())?,
-                eps,
-            )
-        };
-        launched("rmsnorm", code)?;
-        Ok(out)
+    /// The host's memory is the kernels' memory, as on Jetson.
+    fn integrated(&self) -> bool {
+        true
     }
 
-    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
-        expect_len("up", up, gate.len())?;
-        let mut out = gate.to_vec();
-        let (g, n) = (launch::elementwise(out.len())?.into(), int("n", out.len())?);
-        // SAFETY: n values behind both pointers, for the duration of the call.
-        let code = unsafe { ls_host_silu_mul(g, out.as_mut_ptr(), up.as_ptr(), n) };
-        launched("silu_mul", code)?;
-        Ok(out)
+    fn alloc(&self, _what: &str, bytes: usize) -> Result<Box<dyn Allocation>> {
+        let words = vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice();
+        Ok(Box::new(HostMemory {
+            words: Box::into_raw(words),
+        }))
     }
 
-    fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
-        expect_len("b", b, a.len())?;
-        let mut out = a.to_vec();
-        let (g, n) = (launch::elementwise(out.len())?.into(), int("n", out.len())?);
-        // SAFETY: n values behind both pointers, for the duration of the call.
-        let code = unsafe { ls_host_add_inplace(g, out.as_mut_ptr(), b.as_ptr(), n) };
-        launched("add_inplace", code)?;
-        Ok(out)
+    unsafe fn write(&self, to: Addr, bytes: &[u8]) -> Result<()> {
+        // SAFETY: the caller's contract: `to` holds as many bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr(to), bytes.len()) };
+        Ok(())
     }
 
-    fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
-        w.check(x, bias)?;
-        let mut y = vec![0.0; w.rows];
-        let g = launch::matvec(w.rows)?.into();
-        let bias = bias.map_or(std::ptr::null(), <[f32]>::as_ptr);
-        // SAFETY: `check` above: w holds rows × row_bytes(cols), x cols values, bias (or null)
-        // and y rows; all outlive the call.
-        let code = unsafe {
-            ls_host_matvec(
-                g,
-                w.bytes.as_ptr(),
-                dtype_code(w.dtype),
-                int("rows", w.rows)?,
-                int("cols", w.cols)?,
-                x.as_ptr(),
-                bias,
-                y.as_mut_ptr(),
-            )
-        };
-        launched("matvec", code)?;
-        Ok(y)
+    unsafe fn read(&self, from: Addr, into: &mut [u8]) -> Result<()> {
+        // SAFETY: the caller's contract: `from` holds as many bytes.
+        unsafe { std::ptr::copy_nonoverlapping(ptr(from), into.as_mut_ptr(), into.len()) };
+        Ok(())
     }
 
-    fn rope(
+    unsafe fn zero(&self, at: Addr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::write_bytes(ptr::<u8>(at), 0, bytes) };
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    unsafe fn rmsnorm(
         &self,
-        x: &[f32],
+        out: Addr,
+        x: Addr,
+        weight: Addr,
+        n: usize,
+        rows: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let g = launch::rmsnorm(rows)?.into();
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("rmsnorm", unsafe {
+            ls_host_rmsnorm(g, ptr(out), ptr(x), ptr(weight), n, eps)
+        })
+    }
+
+    unsafe fn matvec(
+        &self,
+        w: Addr,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        x: Addr,
+        bias: Addr,
+        y: Addr,
+    ) -> Result<()> {
+        let g = launch::matvec(rows)?.into();
+        let (r, c) = (int("rows", rows)?, int("cols", cols)?);
+        let code = dtype_code(dtype);
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("matvec", unsafe {
+            ls_host_matvec(g, ptr(w), code, r, c, ptr(x), ptr(bias), ptr(y))
+        })
+    }
+
+    unsafe fn rope(
+        &self,
+        x: Addr,
+        n_heads: usize,
         head_dim: usize,
         pos: usize,
-        base: f32,
+        inv_freq: Addr,
         style: RopeStyle,
-    ) -> Result<Vec<f32>> {
-        let heads = check_heads(x, head_dim)?;
-        let mut out = x.to_vec();
-        let g = launch::rope(heads, head_dim)?.into();
-        // SAFETY: heads × head_dim values behind out, for the duration of the call.
-        let code = unsafe {
-            ls_host_rope(
-                g,
-                out.as_mut_ptr(),
-                int("head_dim", head_dim)?,
-                int("pos", pos)?,
-                base,
-                launch::rope_style_code(style),
-            )
-        };
-        launched("rope", code)?;
-        Ok(out)
+    ) -> Result<()> {
+        let g = launch::rope(n_heads, head_dim)?.into();
+        let (hd, p) = (int("head_dim", head_dim)?, int("pos", pos)?);
+        let style = launch::rope_style_code(style);
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("rope", unsafe {
+            ls_host_rope(g, ptr(x), hd, p, ptr(inv_freq), style)
+        })
     }
 
-    fn attention_decode(
+    unsafe fn elementwise(&self, op: Elementwise, a: Addr, b: Addr, n: usize) -> Result<()> {
+        let g = launch::elementwise(n)?.into();
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        let code = unsafe {
+            match op {
+                Elementwise::SiluMul => ls_host_silu_mul(g, ptr(a), ptr(b), n),
+                Elementwise::Add => ls_host_add_inplace(g, ptr(a), ptr(b), n),
+            }
+        };
+        launched(op.kernel(), code)
+    }
+
+    unsafe fn attention(
         &self,
-        q: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        shape: AttentionShape,
-    ) -> Result<Vec<f32>> {
-        shape.check(q, keys, values)?;
-        let mut out = vec![0.0; q.len()];
-        let g = launch::attention_decode(shape.n_heads, shape.head_dim)?.into();
-        // SAFETY: `check` above: n_pos × kv_dim values behind keys and values, n_heads ×
-        // head_dim behind q and out; all outlive the call.
+        q: Addr,
+        keys: Addr,
+        values: Addr,
+        out: Addr,
+        s: AttentionShape,
+        kv_stride: usize,
+    ) -> Result<()> {
+        let g = launch::attention_decode(s.n_heads, s.head_dim)?.into();
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
         let code = unsafe {
             ls_host_attention_decode(
                 g,
-                q.as_ptr(),
-                keys.as_ptr(),
-                values.as_ptr(),
-                out.as_mut_ptr(),
-                int("n_pos", shape.n_pos)?,
-                int("n_heads", shape.n_heads)?,
-                int("n_kv_heads", shape.n_kv_heads)?,
-                int("head_dim", shape.head_dim)?,
-                int("kv_stride", shape.kv_dim())?,
+                ptr(q),
+                ptr(keys),
+                ptr(values),
+                ptr(out),
+                int("first", s.first)?,
+                int("n_pos", s.n_pos)?,
+                int("n_heads", s.n_heads)?,
+                int("n_kv_heads", s.n_kv_heads)?,
+                int("head_dim", s.head_dim)?,
+                int("kv_stride", kv_stride)?,
             )
         };
-        launched("attention_decode", code)?;
-        Ok(out)
+        launched("attention_decode", code)
     }
 
-    fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput> {
-        check_ffn(f)?;
-        let l = f.layout;
-        let (mut h, mut out, mut active) = (vec![0.0; l.n_ff], vec![0.0; l.d_model], 0u32);
-        if f.chunks.is_empty() {
-            return Ok(FfnOutput { h, out, active: 0 });
+    unsafe fn ffn_gathered(
+        &self,
+        layout: &ChunkLayout,
+        chunks: Gathered,
+        activation: FfnActivation,
+        threshold: f32,
+        x: Addr,
+        h: Addr,
+        acc: Addr,
+        active: Addr,
+    ) -> Result<()> {
+        if chunks.n == 0 {
+            return Ok(());
         }
-        let a = launch::ffn(l, f.chunks.len(), f.activation)?;
-        let ptrs: Vec<*const u8> = f.chunks.iter().map(|(_, bytes)| bytes.as_ptr()).collect();
-        let index: Vec<u32> = f.chunks.iter().map(|&(c, _)| c as u32).collect();
-        // SAFETY: `check_ffn` above: every listed chunk holds its neurons' bundles as the layout
-        // describes, x holds d_model values, h n_ff, out d_model; all outlive both calls, and
-        // the second starts after the first has finished writing h.
+        let a = launch::ffn(layout, chunks.n, activation)?;
+        // SAFETY: the trait's contract; the second call starts after the first has finished
+        // writing h.
         let (gate_up, down) = unsafe {
             let gate_up = ls_host_ffn_gate_up_gathered(
                 a.gate_up.into(),
-                ptrs.as_ptr(),
-                index.as_ptr(),
+                ptr(chunks.ptrs),
+                ptr(chunks.index),
                 a.n_chunks,
                 a.chunk_neurons,
                 a.n_ff,
@@ -291,15 +342,15 @@ impl KernelOps for HostKernels {
                 a.gate_dtype,
                 a.up_dtype,
                 a.act,
-                f.threshold,
-                f.x.as_ptr(),
-                h.as_mut_ptr(),
-                &mut active,
+                threshold,
+                ptr(x),
+                ptr(h),
+                ptr(active),
             );
             let down = ls_host_ffn_down_gathered(
                 a.down.into(),
-                ptrs.as_ptr(),
-                index.as_ptr(),
+                ptr(chunks.ptrs),
+                ptr(chunks.index),
                 a.n_chunks,
                 a.chunk_neurons,
                 a.n_ff,
@@ -307,51 +358,36 @@ impl KernelOps for HostKernels {
                 a.bundle_bytes,
                 a.down_at,
                 a.down_dtype,
-                h.as_ptr(),
-                out.as_mut_ptr(),
+                ptr(h),
+                ptr(acc),
             );
             (gate_up, down)
         };
         launched("ffn_gate_up_gathered", gate_up)?;
-        launched("ffn_down_gathered", down)?;
-        Ok(FfnOutput {
-            h,
-            out,
-            active: active as usize,
+        launched("ffn_down_gathered", down)
+    }
+
+    unsafe fn argmax(&self, logits: Addr, n: usize, out: Addr) -> Result<()> {
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("argmax", unsafe {
+            ls_host_argmax(launch::sampling().into(), ptr(logits), n, ptr(out))
         })
     }
 
-    fn argmax(&self, logits: &[f32]) -> Result<u32> {
-        check_top_k(logits, 1)?;
-        let mut out = 0u32;
-        // SAFETY: n values behind logits, one behind out, for the duration of the call.
-        let code = unsafe {
-            ls_host_argmax(
-                launch::sampling().into(),
-                logits.as_ptr(),
-                int("n", logits.len())?,
-                &mut out,
-            )
-        };
-        launched("argmax", code)?;
-        Ok(out)
-    }
-
-    fn top_k(&self, logits: &[f32], k: usize) -> Result<Vec<(u32, f32)>> {
-        check_top_k(logits, k)?;
-        let (mut v, mut i) = (vec![0.0f32; k], vec![0u32; k]);
-        // SAFETY: n values behind logits, k behind v and i, for the duration of the call.
-        let code = unsafe {
-            ls_host_top_k(
-                launch::sampling().into(),
-                logits.as_ptr(),
-                int("n", logits.len())?,
-                int("k", k)?,
-                v.as_mut_ptr(),
-                i.as_mut_ptr(),
-            )
-        };
-        launched("top_k", code)?;
-        Ok(i.into_iter().zip(v).collect())
+    unsafe fn top_k(
+        &self,
+        logits: Addr,
+        n: usize,
+        k: usize,
+        out_v: Addr,
+        out_i: Addr,
+    ) -> Result<()> {
+        let (n, k) = (int("n", n)?, int("k", k)?);
+        let g = launch::sampling().into();
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("top_k", unsafe {
+            ls_host_top_k(g, ptr(logits), n, k, ptr(out_v), ptr(out_i))
+        })
     }
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use leanstream_engine::chat::ChatTemplate;
 #[cfg(feature = "cuda")]
-use leanstream_engine::forward::CudaModel;
+use leanstream_engine::forward::GpuModel;
 use leanstream_engine::forward::Model;
 use leanstream_engine::model::lsm::PredictorKind;
 use leanstream_engine::pipeline::{Executor, ExecutorOptions, Mode, Policy, SparseModel};
@@ -116,7 +116,7 @@ impl LoadedModel {
                         e.use_cuda(Arc::clone(&backend)).map_err(failed)?;
                     }
                     let dense = ffn.is_none();
-                    let m = CudaModel::new(backend, Arc::clone(&model), dense).map_err(failed)?;
+                    let m = GpuModel::new(backend, Arc::clone(&model), dense).map_err(failed)?;
                     tracing::info!(
                         "model {}: {} bytes of weights on the GPU",
                         file.name,

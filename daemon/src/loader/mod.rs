@@ -56,7 +56,7 @@ pub struct LoadedModel {
     /// The weights on the GPU (backend `cuda`): resident weights, plus the whole FFN in `dense`
     /// mode; the pipeline's chunk computations run there too.
     #[cfg(feature = "cuda")]
-    pub gpu: Option<Arc<leanstream_engine::forward::CudaModel>>,
+    pub gpu: Option<Arc<leanstream_engine::forward::GpuModel>>,
     /// The vocabulary as the grammar parser walks it (a token trie), built on the first
     /// constrained generation and shared by every later one.
     constraint_vocab: OnceLock<Arc<ConstraintVocab>>,
@@ -186,7 +186,7 @@ impl LoadedModel {
     ) -> leanstream_engine::Result<Box<dyn Decode + Send>> {
         #[cfg(feature = "cuda")]
         if let Some(m) = &self.gpu {
-            let s = leanstream_engine::forward::CudaSession::new(Arc::clone(m), context)?;
+            let s = leanstream_engine::forward::GpuSession::new(Arc::clone(m), context)?;
             return Ok(Box::new(s));
         }
         Ok(Box::new(Session::new(

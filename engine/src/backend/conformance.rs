@@ -125,15 +125,20 @@ pub fn matvec(b: &dyn KernelOps) {
     }
 }
 
-/// RoPE in both pairings at a far position (large angles), several heads.
+/// RoPE in both pairings at a far position (large angles), several heads, frequencies scaled
+/// by per-pair factors (Llama 3's RoPE scaling: each pair its own frequency).
 pub fn rope(b: &dyn KernelOps) {
-    let (hd, heads, pos, base) = (64, 9, 1234, 10_000.0);
+    let (hd, heads, pos, base) = (64, 9, 1234, 10_000.0f64);
     let x = values(heads * hd, 7);
+    let inv_freq: Vec<f64> = (0..hd / 2)
+        .map(|i| base.powf(-2.0 * i as f64 / hd as f64) / (1.0 + (i % 5) as f64))
+        .collect();
+    let table: Vec<f32> = inv_freq.iter().map(|&f| f as f32).collect();
     for style in [RopeStyle::AdjacentPairs, RopeStyle::HalfSplit] {
         let mut want = x.clone();
         for head in want.chunks_exact_mut(hd) {
-            for i in 0..hd / 2 {
-                let theta = pos as f64 * f64::from(base).powf(-2.0 * i as f64 / hd as f64);
+            for (i, f) in inv_freq.iter().enumerate() {
+                let theta = pos as f64 * f;
                 let (s, c) = (theta.sin() as f32, theta.cos() as f32);
                 let (a, bb) = match style {
                     RopeStyle::AdjacentPairs => (2 * i, 2 * i + 1),
@@ -144,25 +149,40 @@ pub fn rope(b: &dyn KernelOps) {
                 head[bb] = x0 * s + x1 * c;
             }
         }
-        let got = b.rope(&x, hd, pos, base, style).expect("rope");
+        let got = b.rope(&x, hd, pos, &table, style).expect("rope");
         // f32 angles of ~1e3 radians carry ~1e-4 absolute error, in both backends.
         assert_close(b, &format!("rope {style:?}"), &got, &want, 2e-3);
     }
     assert_eq!(
-        rope_table(hd, 0, base)[5],
+        rope_table(&table, 0)[5],
         (0.0, 1.0),
         "position 0 rotates nothing"
+    );
+    assert!(
+        b.rope(&x, hd, pos, &table[1..], RopeStyle::HalfSplit)
+            .is_err(),
+        "{}: a frequency table of the wrong length",
+        b.name()
     );
 }
 
 /// Decode attention with grouped-query heads (3 query heads per KV head) over more positions
-/// than a block has threads, and over a single position.
+/// than a block has threads, over a single position, over a sliding window's last positions,
+/// and with heads that are not whole warps (16 and 80 values).
 pub fn attention_decode(b: &dyn KernelOps) {
-    for n_pos in [1, 300] {
+    for (first, n_pos, head_dim) in [
+        (0, 1, 64),
+        (0, 300, 64),
+        (295, 300, 64),
+        (37, 300, 64),
+        (3, 20, 16),
+        (0, 7, 80),
+    ] {
         let shape = AttentionShape {
             n_heads: 9,
             n_kv_heads: 3,
-            head_dim: 64,
+            head_dim,
+            first,
             n_pos,
         };
         let (hd, kv) = (shape.head_dim, shape.kv_dim());
@@ -175,21 +195,35 @@ pub fn attention_decode(b: &dyn KernelOps) {
         for h in 0..shape.n_heads {
             let off = (h / 3) * hd;
             let qh = &q[h * hd..(h + 1) * hd];
-            let s: Vec<f32> = (0..n_pos)
+            let s: Vec<f32> = (first..n_pos)
                 .map(|p| dot(qh, &k[p * kv + off..p * kv + off + hd]) / (hd as f32).sqrt())
                 .collect();
             let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = s.iter().map(|s| (s - m).exp()).collect();
             let z: f32 = e.iter().sum();
-            for (p, e) in e.iter().enumerate() {
+            for (p, e) in (first..n_pos).zip(&e) {
                 for i in 0..hd {
                     want[h * hd + i] += e / z * v[p * kv + off + i];
                 }
             }
         }
         let got = b.attention_decode(&q, &k, &v, shape).expect("attention");
-        assert_close(b, &format!("attention over {n_pos}"), &got, &want, 1e-4);
+        let what = format!("attention over {first}..{n_pos}, heads of {head_dim}");
+        assert_close(b, &what, &got, &want, 1e-4);
     }
+    let empty = AttentionShape {
+        n_heads: 3,
+        n_kv_heads: 3,
+        head_dim: 64,
+        first: 2,
+        n_pos: 2,
+    };
+    let (q, kv) = (values(3 * 64, 1), values(2 * 3 * 64, 2));
+    assert!(
+        b.attention_decode(&q, &kv, &kv, empty).is_err(),
+        "{}: a window with no position",
+        b.name()
+    );
 }
 
 /// A layer of neuron chunks as the `.lsm` stores them, with a short last chunk, and the f32
@@ -262,6 +296,7 @@ pub fn ffn_chunks(b: &dyn KernelOps) {
             (FfnActivation::Silu, 0.0),
             (FfnActivation::Silu, 0.05),
             (FfnActivation::Relu, 0.0),
+            (FfnActivation::GeluTanh, 0.0),
         ] {
             let list = [4, 1, 3]; // out of order; chunk 4 is the short one
             let chunks: Vec<(usize, &[u8])> =

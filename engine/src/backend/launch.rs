@@ -82,13 +82,12 @@ pub fn elementwise(n: usize) -> Result<Launch> {
     Ok(Launch::new((blocks("n", n.div_ceil(256))?, 1, 1), 256))
 }
 
-/// `attention_decode`: one block of 4 warps per query head; `head_dim` a multiple of 32 up to
-/// 256.
+/// `attention_decode`: one block of 4 warps per query head; `head_dim` up to 256.
 pub fn attention_decode(n_heads: usize, head_dim: usize) -> Result<Launch> {
-    if head_dim > 256 || !head_dim.is_multiple_of(32) {
+    if head_dim == 0 || head_dim > 256 {
         return Err(Error::InvalidArgument {
             arg: "head_dim",
-            reason: format!("{head_dim}: the kernel takes multiples of 32 up to 256"),
+            reason: format!("{head_dim}: the kernel takes 1 to 256"),
         });
     }
     Ok(Launch::new((blocks("n_heads", n_heads)?, 1, 1), 128))
@@ -117,22 +116,17 @@ pub struct Ffn {
     pub gate_dtype: i32,
     pub up_dtype: i32,
     pub down_dtype: i32,
-    /// 0 SiLU, 1 ReLU.
+    /// 0 SiLU, 1 ReLU, 2 GELU (tanh approximation).
     pub act: i32,
 }
 
-/// The FFN launches for `n_chunks` (≥ 1) chunks of `layout`; GeGLU has no kernel yet.
+/// The FFN launches for `n_chunks` (≥ 1) chunks of `layout`.
 pub fn ffn(layout: &ChunkLayout, n_chunks: usize, activation: FfnActivation) -> Result<Ffn> {
     let l = layout;
     let act = match activation {
         FfnActivation::Silu => 0,
         FfnActivation::Relu => 1,
-        FfnActivation::GeluTanh => {
-            return Err(Error::InvalidArgument {
-                arg: "activation",
-                reason: "the CUDA FFN kernels have no GeGLU yet".into(),
-            });
-        }
+        FfnActivation::GeluTanh => 2,
     };
     let chunks = blocks("chunks", n_chunks)?;
     let neuron_blocks = blocks("chunk_neurons", l.chunk_neurons.div_ceil(8))?;

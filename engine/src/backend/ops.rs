@@ -1,9 +1,10 @@
 //! The kernel set every compute backend provides, one call per kernel on host vectors.
 //!
 //! This is the seam the conformance tests ([`super::conformance`]) run through: the same test
-//! body drives the CPU kernels ([`CpuOps`]) and, with feature `cuda`, the GPU kernels, and
-//! compares each with a plain f32 computation. The forward passes do not go through it (they
-//! keep their buffers on their own device); they call the same kernels directly.
+//! body drives the CPU kernels ([`CpuOps`]) and every [`super::device::Device`] (the CUDA
+//! backend, and its kernels built for the host), and compares each with a plain f32
+//! computation. The forward passes do not go through it (they keep their buffers on their own
+//! device); they call the same kernels directly.
 
 use crate::backend::cpu::{self, Kernels, Precision, QuantizedActs};
 use crate::model::lsm::ChunkLayout;
@@ -53,6 +54,8 @@ pub struct AttentionShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// The first position attended: 0, or where a sliding window starts.
+    pub first: usize,
     /// Positions in the caches (the current one included).
     pub n_pos: usize,
 }
@@ -68,8 +71,11 @@ impl AttentionShape {
         if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(invalid("n_kv_heads", format!("{self:?}")));
         }
-        if self.n_pos == 0 {
-            return Err(invalid("n_pos", "no position to attend to".into()));
+        if self.first >= self.n_pos {
+            return Err(invalid(
+                "n_pos",
+                format!("no position to attend to: {self:?}"),
+            ));
         }
         expect_len("q", q, self.n_heads * self.head_dim)?;
         expect_len("keys", keys, self.n_pos * self.kv_dim())?;
@@ -113,17 +119,18 @@ pub trait KernelOps {
     fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>>;
     /// `W x (+ bias)`.
     fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>>;
-    /// RoPE of every `head_dim`-value head of `x` at position `pos`.
+    /// RoPE of every `head_dim`-value head of `x` at position `pos`, pair `i` turning by
+    /// `pos · inv_freq[i]` (`head_dim / 2` frequencies: [`crate::model::ModelConfig::rope_inv_freq`]).
     fn rope(
         &self,
         x: &[f32],
         head_dim: usize,
         pos: usize,
-        base: f32,
+        inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Vec<f32>>;
     /// One query token's attention over cached keys and values (rows of `kv_dim` values per
-    /// position), grouped-query heads.
+    /// position) from position `shape.first`, grouped-query heads.
     fn attention_decode(
         &self,
         q: &[f32],
@@ -202,10 +209,11 @@ pub fn check_top_k(logits: &[f32], k: usize) -> Result<()> {
     Ok(())
 }
 
-/// The RoPE `(sin, cos)` table of position `pos` for `head_dim`-value heads.
-pub fn rope_table(head_dim: usize, pos: usize, base: f32) -> Vec<(f32, f32)> {
-    (0..head_dim / 2)
-        .map(|i| (pos as f32 * base.powf(-2.0 * i as f32 / head_dim as f32)).sin_cos())
+/// The RoPE `(sin, cos)` table of position `pos` for frequencies `inv_freq`.
+pub fn rope_table(inv_freq: &[f32], pos: usize) -> Vec<(f32, f32)> {
+    inv_freq
+        .iter()
+        .map(|f| (pos as f32 * f).sin_cos())
         .collect()
 }
 
@@ -265,12 +273,13 @@ impl KernelOps for CpuOps {
         x: &[f32],
         head_dim: usize,
         pos: usize,
-        base: f32,
+        inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Vec<f32>> {
         check_heads(x, head_dim)?;
+        expect_len("inv_freq", inv_freq, head_dim / 2)?;
         let mut out = x.to_vec();
-        cpu::rope(&mut out, head_dim, &rope_table(head_dim, pos, base), style);
+        cpu::rope(&mut out, head_dim, &rope_table(inv_freq, pos), style);
         Ok(out)
     }
 
@@ -288,7 +297,17 @@ impl KernelOps for CpuOps {
         let mut scores = vec![0.0; shape.n_pos];
         for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
             let kv_off = (h / group) * hd;
-            cpu::attend(qh, keys, values, shape.kv_dim(), kv_off, 0, &mut scores, oh);
+            let first = shape.first;
+            cpu::attend(
+                qh,
+                keys,
+                values,
+                shape.kv_dim(),
+                kv_off,
+                first,
+                &mut scores,
+                oh,
+            );
         }
         Ok(out)
     }

@@ -1,12 +1,12 @@
 //! [`Decode`]: one conversation's forward passes, whatever computes them. The CPU [`Session`]
-//! implements it here, the GPU's `CudaSession` beside its own code, and the sparse pipelines wrap
+//! implements it here, the GPU's `GpuSession` in `forward/gpu.rs`, and the sparse pipelines wrap
 //! either (`pipeline::WithFfn`); the generation loop (`crate::generate`) drives any of them.
 
 use super::{FfnExecutor, Session};
 use crate::{Error, Result};
 
 /// A forward pass that decodes one conversation: the CPU [`Session`], or with feature `cuda`
-/// the GPU's `CudaSession`. `generate::generate` and `generate::score` run on either.
+/// the GPU's `GpuSession`. `generate::generate` and `generate::score` run on either.
 pub trait Decode: std::fmt::Debug {
     /// Runs `token` at the next position; returns the logits.
     fn forward(&mut self, token: u32) -> Result<&mut [f32]>;

@@ -9,13 +9,14 @@
 
 use std::ops::Range;
 
+use super::layer::{self, Block, LayerSteps};
 use super::planned::{HeadSpan, LayerPieces, PieceView};
 use super::scratch::Work;
 use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
 use crate::Result;
 use crate::backend::cpu::{self, Disjoint, Kernels, Precision, Prepared, TOKEN_GROUP};
 use crate::kv::KvCache;
-use crate::model::QRows;
+use crate::model::{FfnActivation, QRows};
 use crate::plan::Part;
 
 /// Asked before each layer of a pass: true to give the pass up there.
@@ -51,6 +52,9 @@ pub(super) struct Pass<'a> {
     pub work: &'a mut Work,
     pub seats: Vec<Seat<'a>>,
     pub rows: Vec<Row>,
+    /// The pieces of the layer being computed, from [`LayerSteps::begin_layer`] to the end of
+    /// [`Pass::layers`].
+    pub pieces: Option<LayerPieces<'a>>,
 }
 
 impl Pass<'_> {
@@ -71,55 +75,22 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// Every layer, dense, unless `stop` says so before one: then false, with the layers
-    /// before it run (see [`super::forward_each_unless`]).
-    pub fn layers(&mut self, stop: Stop<'_>) -> Result<bool> {
-        if self.model.plan().is_some_and(|p| p.is_sparse()) {
+    /// Every layer ([`layer::layers`]), the FFN of the layers `exec` covers computed by it for
+    /// all rows in one call, dense from the model's weights elsewhere; false if `stop` gave the
+    /// pass up before a layer (see [`super::forward_each_unless`]).
+    pub fn layers(&mut self, exec: Option<&mut dyn FfnExecutor>, stop: Stop<'_>) -> Result<bool> {
+        if exec.is_none() && self.model.plan().is_some_and(|p| p.is_sparse()) {
             return Err(crate::Error::InvalidArgument {
                 arg: "placement",
-                reason: "this model's plan streams FFN layers by neuron: run it with the sparse                          executor of its plan (SparseModel::over), or load it with placement dense"
+                reason: "this model's plan streams FFN layers by neuron: run it with the sparse \
+                         executor of its plan (SparseModel::over), or load it with placement dense"
                     .into(),
             });
         }
-        for l in 0..self.model.weights.layers.len() {
-            if stop() {
-                return Ok(false);
-            }
-            let mut pieces = self.model.layer_pieces(l);
-            self.attention(l, &mut pieces)?;
-            self.ffn(l, &mut pieces)?;
-        }
-        Ok(true)
-    }
-
-    /// Every layer, the FFN of the batch's rows computed by `exec` (the sparse pipelines), all
-    /// rows in one call, where it covers the layer (dense from the model's weights elsewhere);
-    /// `stop` as in [`Pass::layers`].
-    pub fn layers_with(&mut self, exec: &mut dyn FfnExecutor, stop: Stop<'_>) -> Result<bool> {
-        let c = &self.model.weights.config;
-        let (d, eps, n) = (c.d_model, c.rms_eps, self.rows.len());
-        for l in 0..self.model.weights.layers.len() {
-            if stop() {
-                return Ok(false);
-            }
-            // The sparse pipelines read the FFN themselves: only its norms come from `layer`.
-            let layer = &self.model.weights.layers[l];
-            for x in self.work.x[..n * d].chunks_exact(d) {
-                exec.begin_layer(l, x);
-            }
-            let mut pieces = self.model.layer_pieces(l);
-            self.attention(l, &mut pieces)?;
-            if !exec.covers(l) {
-                self.ffn(l, &mut pieces)?;
-                continue;
-            }
-            let s = &mut *self.work;
-            let (x, xn, out) = (&mut s.x[..n * d], &mut s.xn[..n * d], &mut s.proj[..n * d]);
-            norm_each_row(xn, x, &layer.ffn_norm, eps);
-            exec.ffn_rows(l, layer, xn, out)?;
-            add_normed_rows(x, out, d, &layer.post_ffn_norm, eps);
-        }
-        Ok(true)
+        let config = &self.model.weights.config;
+        let ran = layer::layers(self, config, exec, stop);
+        self.pieces = None;
+        ran
     }
 
     /// The output head over the rows listed in `rows` (indices into the batch, in order): final
@@ -172,22 +143,47 @@ impl Pass<'_> {
             Ok(())
         })
     }
+}
 
-    /// The attention block over the batch: each row attends over its own seat's positions
-    /// `0..=pos`, after writing its key and value there.
-    fn attention(&mut self, l: usize, pieces: &mut LayerPieces<'_>) -> Result<()> {
+impl LayerSteps for Pass<'_> {
+    fn begin_layer(&mut self, l: usize, exec: Option<&mut dyn FfnExecutor>) -> Result<()> {
+        self.pieces = None; // the last layer's lease goes before this one's is taken
+        self.pieces = Some(self.model.layer_pieces(l));
+        if let Some(exec) = exec {
+            let (d, n) = (self.model.weights.config.d_model, self.rows.len());
+            for x in self.work.x[..n * d].chunks_exact(d) {
+                exec.begin_layer(l, x);
+            }
+        }
+        Ok(())
+    }
+
+    fn norm_input(&mut self, l: usize, block: Block) -> Result<()> {
         let c = &self.model.weights.config;
         let layer = &self.model.weights.layers[l];
-        let (d, hd, kv_dim, q_dim) = (c.d_model, c.head_dim, c.kv_dim(), c.q_dim());
-        let (n, p) = (self.rows.len(), self.precision);
-        let (k, s) = (self.kernels, &mut *self.work);
-        norm_each_row(
-            &mut s.xn[..n * d],
-            &s.x[..n * d],
-            &layer.attn_norm,
-            c.rms_eps,
-        );
-        let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
+        let weight = match block {
+            Block::Attention => &layer.attn_norm,
+            Block::Ffn => &layer.ffn_norm,
+        };
+        let (n, d, s) = (self.rows.len(), c.d_model, &mut *self.work);
+        norm_each_row(&mut s.xn[..n * d], &s.x[..n * d], weight, c.rms_eps);
+        Ok(())
+    }
+
+    fn qkv(&mut self, _l: usize) -> Result<()> {
+        let c = &self.model.weights.config;
+        let (d, kv_dim, q_dim, n) = (c.d_model, c.kv_dim(), c.q_dim(), self.rows.len());
+        let Pass {
+            kernels: k,
+            precision,
+            work: s,
+            pieces,
+            ..
+        } = self;
+        let pieces = pieces
+            .as_mut()
+            .expect("a layer's steps run after begin_layer");
+        let x = k.prepare(&s.xn[..n * d], *precision, &mut s.acts);
         let (q, kk, v) = (
             &mut s.q[..n * q_dim],
             &mut s.k[..n * kv_dim],
@@ -203,7 +199,14 @@ impl Pass<'_> {
                 jobs.extend(pieces_into(views, part, out, width));
             }
             k.matmat_jobs(x, n, jobs);
-        })?;
+        })
+    }
+
+    fn position(&mut self, l: usize) -> Result<()> {
+        let c = &self.model.weights.config;
+        let layer = &self.model.weights.layers[l];
+        let (kv_dim, q_dim, n) = (c.kv_dim(), c.q_dim(), self.rows.len());
+        let s = &mut *self.work;
         // Biases, QK-norms and RoPE, row by row over the team; then each row's key and value
         // go to its cache at its position, in the cache's type.
         let ropes: [Range<usize>; MAX_BATCH] =
@@ -234,11 +237,16 @@ impl Pass<'_> {
             );
             self.seats[row.seat].kv.write(l, row.pos, kk, v);
         }
+        Ok(())
+    }
 
+    fn attend(&mut self, l: usize, window: Option<usize>) -> Result<()> {
         // Causal attention, one query head per task (every row in order, row `t` seeing its
         // seat's positions `0..=pos`); GQA maps `group` query heads to a KV head.
+        let c = &self.model.weights.config;
+        let (hd, kv_dim, q_dim) = (c.head_dim, c.kv_dim(), c.q_dim());
+        let (k, s) = (self.kernels, &mut *self.work);
         let group = c.n_heads / c.n_kv_heads;
-        let window = c.layer_attention(l).window;
         let q = &s.q;
         let (kvs, scores): (Vec<&KvCache>, Vec<Disjoint<'_>>) = self
             .seats
@@ -268,40 +276,81 @@ impl Pass<'_> {
                 }
             }
         });
-
-        let x = k.prepare(&s.att[..n * q_dim], p, &mut s.acts);
-        let proj = &mut s.proj[..n * d];
-        pieces.each(&[Part::O], &mut |views| {
-            k.matmat_jobs(x, n, pieces_into(views, Part::O, &mut *proj, d));
-        })?;
-        add_normed_rows(
-            &mut s.x[..n * d],
-            &mut s.proj[..n * d],
-            d,
-            &layer.post_attn_norm,
-            c.rms_eps,
-        );
         Ok(())
     }
 
-    /// The FFN block over the batch, piece by piece: gate and up rows of a range of neurons
-    /// (the activation applied in place), then the down rows; or, for a `.lsm` layer, each range
-    /// of neurons' gate, up and down together, the ranges' down sums added in order.
-    fn ffn(&mut self, l: usize, pieces: &mut LayerPieces<'_>) -> Result<()> {
+    fn project_out(&mut self, _l: usize) -> Result<()> {
+        let c = &self.model.weights.config;
+        let (d, q_dim, n) = (c.d_model, c.q_dim(), self.rows.len());
+        let Pass {
+            kernels: k,
+            precision,
+            work: s,
+            pieces,
+            ..
+        } = self;
+        let pieces = pieces
+            .as_mut()
+            .expect("a layer's steps run after begin_layer");
+        let x = k.prepare(&s.att[..n * q_dim], *precision, &mut s.acts);
+        let proj = &mut s.proj[..n * d];
+        pieces.each(&[Part::O], &mut |views| {
+            k.matmat_jobs(x, n, pieces_into(views, Part::O, &mut *proj, d));
+        })
+    }
+
+    fn ffn(
+        &mut self,
+        l: usize,
+        activation: FfnActivation,
+        exec: Option<&mut dyn FfnExecutor>,
+    ) -> Result<()> {
+        let layer = &self.model.weights.layers[l];
+        let (d, n) = (self.model.weights.config.d_model, self.rows.len());
+        match exec {
+            Some(exec) => {
+                let s = &mut *self.work;
+                exec.ffn_rows(l, layer, &s.xn[..n * d], &mut s.proj[..n * d])
+            }
+            None => self.dense_ffn(activation),
+        }
+    }
+
+    fn add_residual(&mut self, l: usize, block: Block) -> Result<()> {
         let c = &self.model.weights.config;
         let layer = &self.model.weights.layers[l];
-        let (d, n_ff, p, n) = (c.d_model, c.n_ff, self.precision, self.rows.len());
-        let (k, s) = (self.kernels, &mut *self.work);
-        norm_each_row(
-            &mut s.xn[..n * d],
-            &s.x[..n * d],
-            &layer.ffn_norm,
-            c.rms_eps,
-        );
+        let norm = match block {
+            Block::Attention => &layer.post_attn_norm,
+            Block::Ffn => &layer.post_ffn_norm,
+        };
+        let (n, d, s) = (self.rows.len(), c.d_model, &mut *self.work);
+        add_normed_rows(&mut s.x[..n * d], &mut s.proj[..n * d], d, norm, c.rms_eps);
+        Ok(())
+    }
+}
+
+impl Pass<'_> {
+    /// The FFN of the batch's normed rows from the model's weights, piece by piece: gate and up
+    /// rows of a range of neurons (the activation applied in place), then the down rows; or,
+    /// for a `.lsm` layer, each range of neurons' gate, up and down together, the ranges' down
+    /// sums added in order.
+    fn dense_ffn(&mut self, activation: FfnActivation) -> Result<()> {
+        let c = &self.model.weights.config;
+        let (d, n_ff, n) = (c.d_model, c.n_ff, self.rows.len());
+        let Pass {
+            kernels: k,
+            precision: p,
+            work: s,
+            pieces,
+            ..
+        } = self;
+        let (k, p) = (*k, *p);
+        let pieces = pieces
+            .as_mut()
+            .expect("a layer's steps run after begin_layer");
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
         let (gate, up) = (&mut s.gate[..n * n_ff], &mut s.up[..n * n_ff]);
         let (proj, partials) = (&mut s.proj[..n * d], &mut s.partials);
-        let activation = c.activation;
         let mut first = true;
         // A later piece's down sum, added to the first's: sized once, only for a layer cut in
         // several pieces of neurons.
@@ -329,15 +378,7 @@ impl Pass<'_> {
         let proj = &mut s.proj[..n * d];
         pieces.each(&[Part::Down], &mut |views| {
             k.matmat_jobs(acts, n, pieces_into(views, Part::Down, &mut *proj, d));
-        })?;
-        add_normed_rows(
-            &mut s.x[..n * d],
-            &mut s.proj[..n * d],
-            d,
-            &layer.post_ffn_norm,
-            c.rms_eps,
-        );
-        Ok(())
+        })
     }
 }
 

@@ -33,15 +33,15 @@ pub fn open_decoder(
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
             use crate::backend::cuda::CudaBackend;
-            use crate::forward::{CudaModel, CudaSession};
+            use crate::forward::{GpuModel, GpuSession};
             let _ = kv;
             let gpu = Arc::new(CudaBackend::new()?);
             let dense = exec.is_none();
             if let Some(e) = exec {
                 e.use_cuda(Arc::clone(&gpu))?;
             }
-            let m = Arc::new(CudaModel::new(gpu, Arc::clone(model), dense)?);
-            Ok(Box::new(CudaSession::new(m, context)?))
+            let m = Arc::new(GpuModel::new(gpu, Arc::clone(model), dense)?);
+            Ok(Box::new(GpuSession::new(m, context)?))
         }
         #[cfg(not(feature = "cuda"))]
         Backend::Cuda => {

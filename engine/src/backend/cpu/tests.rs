@@ -690,9 +690,16 @@ mod conformance_catches_errors {
             let y = CpuOps.matvec(w, x, bias)?;
             Ok(y.iter().map(|v| v * 1.001).collect())
         }
-        fn rope(&self, x: &[f32], hd: usize, pos: usize, b: f32, s: RopeStyle) -> Result<Vec<f32>> {
+        fn rope(
+            &self,
+            x: &[f32],
+            hd: usize,
+            pos: usize,
+            f: &[f32],
+            s: RopeStyle,
+        ) -> Result<Vec<f32>> {
             // Off by one position: a real bug a kernel could have.
-            CpuOps.rope(x, hd, pos + 1, b, s)
+            CpuOps.rope(x, hd, pos + 1, f, s)
         }
         fn attention_decode(
             &self,
@@ -701,7 +708,8 @@ mod conformance_catches_errors {
             v: &[f32],
             s: AttentionShape,
         ) -> Result<Vec<f32>> {
-            CpuOps.attention_decode(q, k, v, s)
+            // Forgets the sliding window.
+            CpuOps.attention_decode(q, k, v, AttentionShape { first: 0, ..s })
         }
         fn ffn_chunks(&self, f: &FfnChunks<'_>) -> Result<FfnOutput> {
             // Forgets the threshold.
@@ -728,6 +736,12 @@ mod conformance_catches_errors {
     #[should_panic(expected = "rope")]
     fn a_rope_at_the_wrong_position_fails() {
         conformance::rope(&Skewed);
+    }
+
+    #[test]
+    #[should_panic(expected = "attention over 295..300, heads of 64")]
+    fn attention_that_ignores_the_window_fails() {
+        conformance::attention_decode(&Skewed);
     }
 
     #[test]

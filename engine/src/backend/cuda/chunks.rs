@@ -19,18 +19,18 @@
 
 use std::sync::Arc;
 
-use cust::memory::{CopyDestination, DeviceBuffer, DevicePointer};
+use cust::memory::DevicePointer;
 
-use super::kernels::GatheredChunks;
-use super::memory::{HostRegistration, copy_to_device_async, download_into, zeros};
-use super::{CudaBackend, cuda};
+use super::CudaBackend;
+use super::memory::{HostRegistration, copy_to_device_async};
 use crate::backend::chunks::{BLOCKS, ChunkCompute, Unit};
+use crate::backend::device::{Buffer, Device, Gathered};
 use crate::model::lsm::ChunkLayout;
 use crate::{Error, Result};
 
 /// The device twin of the cache arena (discrete GPUs) and which chunk each twin slot holds.
 struct Mirror {
-    arena: DeviceBuffer<u8>,
+    arena: Buffer<u8>,
     holds: Vec<Option<(usize, usize)>>, // per slot: (layer, chunk) copied there
 }
 
@@ -40,12 +40,12 @@ pub struct CudaChunks {
     arena: HostRegistration,
     mirror: Option<Mirror>,
     slot_bytes: usize,
-    x: DeviceBuffer<f32>,      // (d_model)
-    h: DeviceBuffer<f32>,      // (n_ff)
-    acc: DeviceBuffer<f32>,    // (BLOCKS, d_model): one sum per unit of a stage
-    active: DeviceBuffer<u32>, // (1)
-    ptrs: DeviceBuffer<u64>,   // (chunks_per_layer)
-    index: DeviceBuffer<u32>,  // (chunks_per_layer)
+    x: Buffer<f32>,      // (d_model)
+    h: Buffer<f32>,      // (n_ff)
+    acc: Buffer<f32>,    // (BLOCKS, d_model): one sum per unit of a stage
+    active: Buffer<u32>, // (1)
+    ptrs: Buffer<u64>,   // (chunks_per_layer)
+    index: Buffer<u32>,  // (chunks_per_layer)
     host_ptrs: Vec<u64>,
     host_index: Vec<u32>,
     host_h: Vec<f32>,
@@ -82,11 +82,12 @@ impl CudaChunks {
         // SAFETY: the caller's contract.
         let registration = unsafe { HostRegistration::new(arena.as_ptr(), len)? };
         let slots = len / layout.chunk_bytes.max(1);
+        let dev: &dyn Device = &*gpu;
         let mirror = if gpu.integrated() {
             None
         } else {
             Some(Mirror {
-                arena: zeros("the neuron cache's device twin", len)?,
+                arena: Buffer::zeros(dev, "the neuron cache's device twin", len)?,
                 holds: vec![None; slots],
             })
         };
@@ -95,12 +96,12 @@ impl CudaChunks {
             arena: registration,
             mirror,
             slot_bytes: layout.chunk_bytes,
-            x: zeros("x", layout.d_model)?,
-            h: zeros("h", layout.n_ff)?,
-            acc: zeros("acc", BLOCKS * layout.d_model)?,
-            active: zeros("active", 1)?,
-            ptrs: zeros("chunk pointers", n)?,
-            index: zeros("chunk index", n)?,
+            x: Buffer::zeros(dev, "x", layout.d_model)?,
+            h: Buffer::zeros(dev, "h", layout.n_ff)?,
+            acc: Buffer::zeros(dev, "acc", BLOCKS * layout.d_model)?,
+            active: Buffer::zeros(dev, "active", 1)?,
+            ptrs: Buffer::zeros(dev, "chunk pointers", n)?,
+            index: Buffer::zeros(dev, "chunk index", n)?,
             host_ptrs: vec![0; n.max(1)],
             host_index: vec![0; n.max(1)],
             host_h: vec![0.0; layout.n_ff],
@@ -114,7 +115,7 @@ impl CudaChunks {
     /// Bytes of device memory this takes beyond the registered arena (the twin on a discrete
     /// GPU, plus the stage buffers): what the daemon adds to the model's GPU share.
     pub fn device_bytes(&self) -> usize {
-        self.mirror.as_ref().map_or(0, |m| m.arena.len())
+        self.mirror.as_ref().map_or(0, |m| m.arena.bytes())
             + 4 * (self.x.len() + self.acc.len() + self.h.len() + 1)
             + 12 * self.ptrs.len()
     }
@@ -132,7 +133,7 @@ impl CudaChunks {
             return Ok(mapped.as_raw());
         };
         let offset = host as usize - self.arena.host_start() as usize;
-        let dst: DevicePointer<u8> = mirror.arena.as_device_ptr().wrapping_add(offset);
+        let dst = DevicePointer::<u8>::from_raw(mirror.arena.at(offset).0);
         let slot = offset / self.slot_bytes;
         if mirror.holds[slot] != Some((l, c)) {
             // SAFETY: `bytes` is a Ready slot: registered (page-locked), not written while the
@@ -188,47 +189,39 @@ impl ChunkCompute for CudaChunks {
                 i += 1;
             }
         }
-        // The previous stage ended with a synchronisation, so these buffers are idle.
-        self.ptrs
-            .copy_from(&self.host_ptrs[..])
-            .map_err(cuda("copying chunk pointers"))?;
-        self.index
-            .copy_from(&self.host_index[..])
-            .map_err(cuda("copying chunk indices"))?;
-        self.x.copy_from(x).map_err(cuda("copying the FFN input"))?;
-        let stream = &self.gpu.stream;
-        // SAFETY: the buffers are this value's and only this stream uses them.
-        unsafe {
-            self.acc
-                .set_32_async(0, stream)
-                .map_err(cuda("clearing acc"))?;
-            self.active
-                .set_32_async(0, stream)
-                .map_err(cuda("clearing the active count"))?;
-        }
+        let dev: &dyn Device = &*self.gpu;
+        self.ptrs.write(dev, &self.host_ptrs[..i])?;
+        self.index.write(dev, &self.host_index[..i])?;
+        self.x.write(dev, x)?;
+        self.acc.clear(dev)?;
+        self.active.clear(dev)?;
         let mut start = 0;
         for (k, u) in units.iter().enumerate() {
-            let listed = GatheredChunks {
-                ptrs: self.ptrs.as_device_ptr().wrapping_add(start),
-                index: self.index.as_device_ptr().wrapping_add(start),
+            let listed = Gathered {
+                ptrs: self.ptrs.at(start),
+                index: self.index.at(start),
                 n: u.chunks.len(),
             };
             start += u.chunks.len();
-            self.gpu.ffn_gathered(
-                layout,
-                listed,
-                u.math.activation,
-                u.math.threshold,
-                self.x.as_device_ptr(),
-                self.h.as_device_ptr(),
-                self.acc.as_device_ptr().wrapping_add(k * d),
-                self.active.as_device_ptr(),
-            )?;
+            // SAFETY: the chunk addresses are Ready slots of the registered arena (or their
+            // twins), pinned until this stage's synchronisation below; x holds d_model values,
+            // h n_ff, acc BLOCKS × d_model (k < BLOCKS, checked above), active one.
+            unsafe {
+                dev.ffn_gathered(
+                    layout,
+                    listed,
+                    u.math.activation,
+                    u.math.threshold,
+                    self.x.addr(),
+                    self.h.addr(),
+                    self.acc.at(k * d),
+                    self.active.addr(),
+                )?;
+            }
         }
-        self.gpu.sync()?;
-        download_into(&self.h, &mut self.host_h)?;
-        download_into(&self.acc, &mut self.host_acc)?;
-        download_into(&self.active, &mut self.host_active)?;
+        self.h.read(dev, &mut self.host_h)?;
+        self.acc.read(dev, &mut self.host_acc)?;
+        self.active.read(dev, &mut self.host_active)?;
         for (k, u) in units.iter_mut().enumerate() {
             for &c in u.chunks {
                 let r = layout.neurons(c);

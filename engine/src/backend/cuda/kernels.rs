@@ -1,48 +1,85 @@
-//! Typed launches of the `cuda-kernels/` kernels on device pointers, queued on the backend's
-//! stream (nothing here waits). Grid and block sizes, and the kernels' codes for the engine's
-//! types, come from `backend::launch` (shared with the kernels' host build).
-//!
-//! Safety contract of every launcher: the pointers are device (or mapped host) memory of this
-//! context holding at least the sizes the kernel's comment names for the given arguments, and
-//! stay alive until the stream has run the kernel. The callers (`ops.rs`, `session.rs`) keep
-//! their buffers alive across a synchronisation of the stream.
+//! [`Device`] for the CUDA backend: memory through the driver, and typed launches of the
+//! `cuda-kernels/` kernels queued on the backend's stream (nothing here waits but `sync` and the
+//! copies to the host). Grid and block sizes, and the kernels' codes for the engine's types,
+//! come from `backend::launch` (shared with the kernels' host build). Kernel pointers are passed
+//! as the raw u64 device addresses of [`Addr`].
+
+use std::ffi::c_void;
 
 use cust::function::{BlockSize, GridSize};
-use cust::memory::DevicePointer;
+use cust::memory::DeviceBuffer;
 use cust::prelude::*;
+use cust::sys;
 
+use super::memory::check;
 use super::{CudaBackend, cuda};
+use crate::backend::device::{Addr, Allocation, Device, Elementwise, Gathered};
 use crate::backend::launch::{self, Launch, dtype_code, int};
+use crate::backend::ops::AttentionShape;
 use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, RopeStyle};
 use crate::quant::DType;
 use crate::{Error, Result};
-
-/// A device pointer to f32 values.
-pub type F32Ptr = DevicePointer<f32>;
-
-/// The neuron chunks of one [`CudaBackend::ffn_gathered`] launch.
-#[derive(Clone, Copy, Debug)]
-pub struct GatheredChunks {
-    /// `n` device addresses, the first byte of each listed chunk.
-    pub ptrs: DevicePointer<u64>,
-    /// `n` chunk indices inside the layer.
-    pub index: DevicePointer<u32>,
-    pub n: usize,
-}
 
 /// cust's grid, block and shared bytes of a launch.
 fn shape(l: Launch) -> (GridSize, BlockSize, u32) {
     (l.grid.into(), l.block.into(), l.shared_bytes)
 }
 
-impl CudaBackend {
-    /// RMSNorm of `rows` rows of `n` values: `out = x / rms(x) * weight`.
-    pub fn rmsnorm_on(
+impl Allocation for DeviceBuffer<u8> {
+    fn addr(&self) -> Addr {
+        Addr(self.as_device_ptr().as_raw())
+    }
+}
+
+impl Device for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda ({})", self.device())
+    }
+
+    fn integrated(&self) -> bool {
+        self.integrated
+    }
+
+    fn alloc(&self, what: &str, bytes: usize) -> Result<Box<dyn Allocation>> {
+        self.bind()?;
+        let b = DeviceBuffer::<u8>::zeroed(bytes.max(1))
+            .map_err(|e| Error::Cuda(format!("allocating {what} ({bytes} bytes): {e}")))?;
+        Ok(Box::new(b))
+    }
+
+    unsafe fn write(&self, to: Addr, bytes: &[u8]) -> Result<()> {
+        // The synchronous copy runs on the legacy stream, which does not wait for this
+        // non-blocking stream: wait for the kernels queued before, which may read `to`.
+        self.sync()?;
+        // SAFETY: the caller's contract.
+        let r = unsafe { sys::cuMemcpyHtoD_v2(to.0, bytes.as_ptr().cast::<c_void>(), bytes.len()) };
+        check(r, "copying to the device")
+    }
+
+    unsafe fn read(&self, from: Addr, into: &mut [u8]) -> Result<()> {
+        self.sync()?;
+        // SAFETY: the caller's contract.
+        let r =
+            unsafe { sys::cuMemcpyDtoH_v2(into.as_mut_ptr().cast::<c_void>(), from.0, into.len()) };
+        check(r, "copying to the host")
+    }
+
+    unsafe fn zero(&self, at: Addr, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract; queued on the stream every kernel runs on.
+        let r = unsafe { sys::cuMemsetD8Async(at.0, 0, bytes, self.stream.as_inner()) };
+        check(r, "clearing device memory")
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda("synchronising"))
+    }
+
+    unsafe fn rmsnorm(
         &self,
-        out: F32Ptr,
-        x: F32Ptr,
-        weight: F32Ptr,
+        out: Addr,
+        x: Addr,
+        weight: Addr,
         n: usize,
         rows: usize,
         eps: f32,
@@ -50,132 +87,103 @@ impl CudaBackend {
         let f = self.function("elementwise", "rmsnorm")?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::rmsnorm(rows)?);
-        // SAFETY: the module contract above; rows × n values behind out and x, n behind weight.
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(out, x, weight, int("n", n)?, eps))
+            launch!(f<<<grid, block, shared, stream>>>(out.0, x.0, weight.0, n, eps))
                 .map_err(cuda("launching rmsnorm"))
         }
     }
 
-    /// `y = W x (+ bias)`: `rows` rows of `cols` values of `dtype` back to back from `w`;
-    /// `bias` may be null.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matvec_on(
+    unsafe fn matvec(
         &self,
-        w: DevicePointer<u8>,
+        w: Addr,
         dtype: DType,
         rows: usize,
         cols: usize,
-        x: F32Ptr,
-        bias: F32Ptr,
-        y: F32Ptr,
+        x: Addr,
+        bias: Addr,
+        y: Addr,
     ) -> Result<()> {
         let f = self.function("matvec", "matvec")?;
         let stream = &self.stream;
         let (r, c) = (int("rows", rows)?, int("cols", cols)?);
         let (grid, block, shared) = shape(launch::matvec(rows)?);
-        // SAFETY: the module contract; w holds rows × row_bytes(cols), x cols, y and bias rows.
+        let code = dtype_code(dtype);
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(
-                w,
-                dtype_code(dtype),
-                r,
-                c,
-                x,
-                bias,
-                y
-            ))
-            .map_err(cuda("launching matvec"))
+            launch!(f<<<grid, block, shared, stream>>>(w.0, code, r, c, x.0, bias.0, y.0))
+                .map_err(cuda("launching matvec"))
         }
     }
 
-    /// RoPE in place over `n_heads` heads of `head_dim` values at position `pos`.
-    pub fn rope_on(
+    unsafe fn rope(
         &self,
-        x: F32Ptr,
+        x: Addr,
         n_heads: usize,
         head_dim: usize,
         pos: usize,
-        base: f32,
+        inv_freq: Addr,
         style: RopeStyle,
     ) -> Result<()> {
         let f = self.function("elementwise", "rope")?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::rope(n_heads, head_dim)?);
-        // SAFETY: the module contract; n_heads × head_dim values behind x.
+        let (hd, p) = (int("head_dim", head_dim)?, int("pos", pos)?);
+        let style = launch::rope_style_code(style);
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(
-                x,
-                int("head_dim", head_dim)?,
-                int("pos", pos)?,
-                base,
-                launch::rope_style_code(style)
-            ))
-            .map_err(cuda("launching rope"))
+            launch!(f<<<grid, block, shared, stream>>>(x.0, hd, p, inv_freq.0, style))
+                .map_err(cuda("launching rope"))
         }
     }
 
-    /// An in-place element-wise kernel `name(float* a, const float* b, int n)`:
-    /// `silu_mul` or `add_inplace`.
-    pub fn binary_on(&self, name: &'static str, a: F32Ptr, b: F32Ptr, n: usize) -> Result<()> {
-        let f = self.function("elementwise", name)?;
+    unsafe fn elementwise(&self, op: Elementwise, a: Addr, b: Addr, n: usize) -> Result<()> {
+        let f = self.function("elementwise", op.kernel())?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::elementwise(n)?);
-        // SAFETY: the module contract; n values behind a and b.
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(a, b, int("n", n)?))
-                .map_err(|e| Error::Cuda(format!("launching {name}: {e}")))
+            launch!(f<<<grid, block, shared, stream>>>(a.0, b.0, n))
+                .map_err(|e| Error::Cuda(format!("launching {}: {e}", op.kernel())))
         }
     }
 
-    /// Decode attention of `n_heads` query heads over `n_pos` cached positions (rows of
-    /// `kv_stride` values) into `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_on(
+    unsafe fn attention(
         &self,
-        q: F32Ptr,
-        keys: F32Ptr,
-        values: F32Ptr,
-        out: F32Ptr,
-        n_pos: usize,
-        [n_heads, n_kv_heads, head_dim]: [usize; 3],
+        q: Addr,
+        keys: Addr,
+        values: Addr,
+        out: Addr,
+        s: AttentionShape,
         kv_stride: usize,
     ) -> Result<()> {
-        let (grid, block, shared) = shape(launch::attention_decode(n_heads, head_dim)?);
+        let (grid, block, shared) = shape(launch::attention_decode(s.n_heads, s.head_dim)?);
         let f = self.function("attention", "attention_decode")?;
         let stream = &self.stream;
-        // SAFETY: the module contract; n_pos × kv_stride values behind keys and values,
-        // n_heads × head_dim behind q and out.
+        let (first, n_pos) = (int("first", s.first)?, int("n_pos", s.n_pos)?);
+        let (heads, kv_heads) = (int("n_heads", s.n_heads)?, int("n_kv_heads", s.n_kv_heads)?);
+        let (hd, stride) = (int("head_dim", s.head_dim)?, int("kv_stride", kv_stride)?);
+        // SAFETY: the trait's contract.
         unsafe {
             launch!(f<<<grid, block, shared, stream>>>(
-                q,
-                keys,
-                values,
-                out,
-                int("n_pos", n_pos)?,
-                int("n_heads", n_heads)?,
-                int("n_kv_heads", n_kv_heads)?,
-                int("head_dim", head_dim)?,
-                int("kv_stride", kv_stride)?
+                q.0, keys.0, values.0, out.0, first, n_pos, heads, kv_heads, hd, stride
             ))
             .map_err(cuda("launching attention_decode"))
         }
     }
 
-    /// The sparse FFN over `chunks` of a layer laid out as `layout`: activations into `h`
-    /// (`n_ff` values; only the listed chunks' neurons written), their down contributions
-    /// added to `acc` (`d_model` values), kept neurons added to `active` (may be null).
-    #[allow(clippy::too_many_arguments)]
-    pub fn ffn_gathered(
+    unsafe fn ffn_gathered(
         &self,
         layout: &ChunkLayout,
-        chunks: GatheredChunks,
+        chunks: Gathered,
         activation: FfnActivation,
         threshold: f32,
-        x: F32Ptr,
-        h: F32Ptr,
-        acc: F32Ptr,
-        active: DevicePointer<u32>,
+        x: Addr,
+        h: Addr,
+        acc: Addr,
+        active: Addr,
     ) -> Result<()> {
         if chunks.n == 0 {
             return Ok(());
@@ -186,13 +194,12 @@ impl CudaBackend {
         let stream = &self.stream;
         let (gate_up_grid, gate_up_block, gate_up_shared) = shape(a.gate_up);
         let (down_grid, down_block, down_shared) = shape(a.down);
-        // SAFETY: the module contract; every listed chunk holds its neurons' bundles as
-        // `layout` describes, x holds d_model values, h n_ff, acc d_model. The down launch
-        // follows the gate/up launch on the same stream, so it reads the h that one wrote.
+        // SAFETY: the trait's contract. The down launch follows the gate/up launch on the same
+        // stream, so it reads the h that one wrote.
         unsafe {
             launch!(gate_up<<<gate_up_grid, gate_up_block, gate_up_shared, stream>>>(
-                chunks.ptrs,
-                chunks.index,
+                chunks.ptrs.0,
+                chunks.index.0,
                 a.n_chunks,
                 a.chunk_neurons,
                 a.n_ff,
@@ -203,14 +210,14 @@ impl CudaBackend {
                 a.up_dtype,
                 a.act,
                 threshold,
-                x,
-                h,
-                active
+                x.0,
+                h.0,
+                active.0
             ))
             .map_err(cuda("launching ffn_gate_up_gathered"))?;
             launch!(down<<<down_grid, down_block, down_shared, stream>>>(
-                chunks.ptrs,
-                chunks.index,
+                chunks.ptrs.0,
+                chunks.index.0,
                 a.n_chunks,
                 a.chunk_neurons,
                 a.n_ff,
@@ -218,47 +225,41 @@ impl CudaBackend {
                 a.bundle_bytes,
                 a.down_at,
                 a.down_dtype,
-                h,
-                acc
+                h.0,
+                acc.0
             ))
             .map_err(cuda("launching ffn_down_gathered"))
         }
     }
 
-    /// The index of the largest of `n` logits (the lowest among equals) into `out`.
-    pub fn argmax_on(&self, logits: F32Ptr, n: usize, out: DevicePointer<u32>) -> Result<()> {
+    unsafe fn argmax(&self, logits: Addr, n: usize, out: Addr) -> Result<()> {
         let f = self.function("sample", "argmax")?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::sampling());
-        // SAFETY: the module contract; n values behind logits, one behind out.
+        let n = int("n", n)?;
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(logits, int("n", n)?, out))
+            launch!(f<<<grid, block, shared, stream>>>(logits.0, n, out.0))
                 .map_err(cuda("launching argmax"))
         }
     }
 
-    /// The `k` largest of `n` logits, largest first, into `out_v` and `out_i`.
-    pub fn top_k_on(
+    unsafe fn top_k(
         &self,
-        logits: F32Ptr,
+        logits: Addr,
         n: usize,
         k: usize,
-        out_v: F32Ptr,
-        out_i: DevicePointer<u32>,
+        out_v: Addr,
+        out_i: Addr,
     ) -> Result<()> {
         let f = self.function("sample", "top_k")?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::sampling());
-        // SAFETY: the module contract; n values behind logits, k behind out_v and out_i.
+        let (n, k) = (int("n", n)?, int("k", k)?);
+        // SAFETY: the trait's contract.
         unsafe {
-            launch!(f<<<grid, block, shared, stream>>>(
-                logits,
-                int("n", n)?,
-                int("k", k)?,
-                out_v,
-                out_i
-            ))
-            .map_err(cuda("launching top_k"))
+            launch!(f<<<grid, block, shared, stream>>>(logits.0, n, k, out_v.0, out_i.0))
+                .map_err(cuda("launching top_k"))
         }
     }
 }

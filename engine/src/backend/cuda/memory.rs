@@ -1,4 +1,4 @@
-//! Device buffers and host memory registered with the driver.
+//! Host memory registered with the driver, and the driver's results as errors.
 //!
 //! `cust` has safe device buffers but no wrapper for registering existing host memory, so
 //! [`HostRegistration`] calls `cuMemHostRegister` through `cust::sys`. Registered memory is
@@ -7,49 +7,11 @@
 
 use std::ffi::c_void;
 
-use cust::memory::bytemuck::Zeroable;
-use cust::memory::{CopyDestination, DeviceCopy, DevicePointer};
+use cust::memory::DevicePointer;
 use cust::prelude::*;
 use cust::sys::{self, CUresult, cudaError_enum};
 
-use super::cuda;
 use crate::{Error, Result};
-
-/// A device buffer holding a copy of `values`.
-pub fn upload<T: DeviceCopy>(what: &str, values: &[T]) -> Result<DeviceBuffer<T>> {
-    DeviceBuffer::from_slice(values).map_err(|e| Error::Cuda(format!("copying {what}: {e}")))
-}
-
-/// A device buffer of `n` zeroed values.
-pub fn zeros<T: DeviceCopy + Zeroable>(what: &str, n: usize) -> Result<DeviceBuffer<T>> {
-    DeviceBuffer::zeroed(n.max(1)).map_err(|e| Error::Cuda(format!("allocating {what}: {e}")))
-}
-
-/// The first `n` values of a device buffer, copied to the host (after the work queued before
-/// has finished: the copy is synchronous).
-pub fn download<T: DeviceCopy + Default + Clone>(
-    buf: &DeviceBuffer<T>,
-    n: usize,
-) -> Result<Vec<T>> {
-    let mut all = vec![T::default(); buf.len()];
-    buf.copy_to(&mut all[..])
-        .map_err(cuda("copying to the host"))?;
-    all.truncate(n);
-    Ok(all)
-}
-
-/// Copies a whole device buffer into `host` (of the same length), synchronously: the per-token
-/// path's way back, into buffers allocated once.
-pub fn download_into<T: DeviceCopy>(buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
-    if buf.len() != host.len() {
-        return Err(Error::Cuda(format!(
-            "copying {} values into {} on the host",
-            buf.len(),
-            host.len()
-        )));
-    }
-    buf.copy_to(host).map_err(cuda("copying to the host"))
-}
 
 /// Checks the result of a raw driver call.
 pub fn check(r: CUresult, what: &str) -> Result<()> {

@@ -2,28 +2,26 @@
 //! checked-in PTX of `cuda-kernels/` loaded with the JIT target taken from the context, one
 //! stream, and typed launches of the kernels.
 //!
-//! - `kernels.rs`: typed launches on device pointers (what the forward pass uses);
-//! - `ops.rs`: [`crate::backend::ops::KernelOps`] on host vectors, for the conformance tests;
-//! - `memory.rs`: device buffers, copies, and host memory registered with the driver;
+//! - `kernels.rs`: [`crate::backend::device::Device`]: memory, copies and typed launches on
+//!   device addresses (what the forward pass and the conformance tests use);
+//! - `memory.rs`: host memory registered with the driver, and asynchronous copies from it;
 //! - `chunks.rs`: the streaming pipeline's chunk computations on the GPU, over the neuron
 //!   cache registered with the driver.
 //!
-//! The forward pass that runs a whole model on the GPU (`CudaModel`, `CudaSession`) is the
-//! forward layer's (`forward/cuda.rs`): this module knows kernels and memory, not models.
+//! The forward pass that runs a whole model on a GPU (`GpuModel`, `GpuSession`) is the forward
+//! layer's (`forward/gpu.rs`), written against `Device`: this module knows kernels and memory,
+//! not models.
 
 mod chunks;
 mod kernels;
 mod memory;
-mod ops;
 
 use cust::device::DeviceAttribute;
 use cust::module::ModuleJitOption;
 use cust::prelude::*;
 
 pub use chunks::CudaChunks;
-pub use kernels::{F32Ptr, GatheredChunks};
 pub use memory::HostRegistration;
-pub(crate) use memory::{download, download_into, upload, zeros};
 
 use crate::{Error, Result};
 
@@ -113,11 +111,6 @@ impl CudaBackend {
         cust::context::CurrentContext::set_current(&self.ctx).map_err(cuda("binding the context"))
     }
 
-    /// True on a GPU that shares the host's memory (Jetson, Orin).
-    pub fn integrated(&self) -> bool {
-        self.integrated
-    }
-
     fn function(&self, module: &str, name: &str) -> Result<Function<'_>> {
         let (_, m) = self
             .modules
@@ -126,16 +119,6 @@ impl CudaBackend {
             .ok_or_else(|| Error::Cuda(format!("no module {module}")))?;
         m.get_function(name)
             .map_err(|e| Error::Cuda(format!("kernel {module}.{name}: {e}")))
-    }
-
-    /// The stream every kernel of this backend is queued on.
-    pub(crate) fn stream(&self) -> &Stream {
-        &self.stream
-    }
-
-    /// Waits for everything queued on the stream.
-    pub fn sync(&self) -> Result<()> {
-        self.stream.synchronize().map_err(cuda("synchronising"))
     }
 }
 
