@@ -323,3 +323,13 @@ __device__ __forceinline__ float ls_warp_dot(int dtype, const u8* row, const flo
     }
     return ls_warp_sum(acc);
 }
+
+// FFN activation codes (engine/src/model/config.rs FfnActivation): 0 = SiLU (SwiGLU), 1 = ReLU,
+// 2 = GELU with the tanh approximation (GeGLU), written as g / (1 + e^(-2u)) with
+// u = sqrt(2/pi) (g + 0.044715 g^3), the CPU's form.
+__device__ __forceinline__ float ls_activation(int act, float g) {
+    if (act == 0) return g / (1.0f + expf(-g));
+    if (act == 1) return fmaxf(g, 0.0f);
+    const float u = 0.7978846f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + expf(-2.0f * u));
+}

@@ -1,5 +1,5 @@
 // The small dense f32 steps of the forward pass (engine/src/backend/cpu/dense.rs and the RoPE of
-// engine/src/reference.rs): RMSNorm, RoPE, SiLU-multiply, residual add.
+// engine/src/reference.rs): RMSNorm, RoPE, the gated activation, residual add.
 #include "common.cuh"
 
 #define LS_NORM_THREADS 256
@@ -52,15 +52,13 @@ extern "C" __global__ void rope(float* x, int head_dim, int pos, const float* in
     head[b] = x0 * s + x1 * c;
 }
 
-// silu_mul: gate[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g) (SwiGLU's elementwise step).
+// gate_mul: gate[i] = act(gate[i]) * up[i], act by its code (common.cuh ls_activation): the
+// gated FFN's elementwise step (SwiGLU, GeGLU).
 //
 // Grid:  (ceil(n / 256)); block: (256).
-extern "C" __global__ void silu_mul(float* gate, const float* up, int n) {
+extern "C" __global__ void gate_mul(float* gate, const float* up, int n, int act) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const float g = gate[i];
-        gate[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    if (i < n) gate[i] = ls_activation(act, gate[i]) * up[i];
 }
 
 // add_inplace: a[i] += b[i] (residual connections).

@@ -15,16 +15,6 @@
 
 #define LS_FFN_WARPS 8 // warps per block of ffn_gate_up_gathered (block = 256 threads)
 
-// Activation codes (engine/src/model/config.rs FfnActivation): 0 = SiLU (SwiGLU), 1 = ReLU,
-// 2 = GELU with the tanh approximation (GeGLU), written as g / (1 + e^(-2u)) with
-// u = sqrt(2/pi) (g + 0.044715 g^3), the CPU's form.
-__device__ __forceinline__ float ls_activation(int act, float g) {
-    if (act == 0) return g / (1.0f + expf(-g));
-    if (act == 1) return fmaxf(g, 0.0f);
-    const float u = 0.7978846f * (g + 0.044715f * g * g * g);
-    return g / (1.0f + expf(-2.0f * u));
-}
-
 // ffn_gate_up_gathered: for every neuron j of every listed chunk,
 //   a = act(gate_j . x) * (up_j . x);  h[neuron] = (a != 0 && |a| >= threshold) ? a : 0
 // and, when `active` is not null, adds the number of neurons kept to *active.

@@ -13,8 +13,8 @@ extern "C" int ls_host_rope(LsLaunch g, float* x, int head_dim, int pos, const f
     return ls_host::launch(g, [=] { rope(x, head_dim, pos, inv_freq, style); });
 }
 
-extern "C" int ls_host_silu_mul(LsLaunch g, float* gate, const float* up, int n) {
-    return ls_host::launch(g, [=] { silu_mul(gate, up, n); });
+extern "C" int ls_host_gate_mul(LsLaunch g, float* gate, const float* up, int n, int act) {
+    return ls_host::launch(g, [=] { gate_mul(gate, up, n, act); });
 }
 
 extern "C" int ls_host_add_inplace(LsLaunch g, float* a, const float* b, int n) {

@@ -11,7 +11,7 @@
 //! returns when the kernel has run, so the queue is always empty. A test harness only; nothing
 //! ships it.
 
-use leanstream_engine::backend::device::{Addr, Allocation, Device, Elementwise, Gathered};
+use leanstream_engine::backend::device::{Addr, Allocation, Device, Gathered};
 use leanstream_engine::backend::launch::{self, Launch, dtype_code, int};
 use leanstream_engine::backend::ops::AttentionShape;
 use leanstream_engine::model::lsm::ChunkLayout;
@@ -58,7 +58,7 @@ unsafe extern "C" {
         inv_freq: *const f32,
         style: i32,
     ) -> i32;
-    fn ls_host_silu_mul(g: Geometry, gate: *mut f32, up: *const f32, n: i32) -> i32;
+    fn ls_host_gate_mul(g: Geometry, gate: *mut f32, up: *const f32, n: i32, act: i32) -> i32;
     fn ls_host_add_inplace(g: Geometry, a: *mut f32, b: *const f32, n: i32) -> i32;
     fn ls_host_matvec(
         g: Geometry,
@@ -269,17 +269,22 @@ impl Device for HostKernels {
         })
     }
 
-    unsafe fn elementwise(&self, op: Elementwise, a: Addr, b: Addr, n: usize) -> Result<()> {
+    unsafe fn gate(&self, activation: FfnActivation, gate: Addr, up: Addr, n: usize) -> Result<()> {
+        let g = launch::elementwise(n)?.into();
+        let (n, act) = (int("n", n)?, launch::act_code(activation));
+        // SAFETY: the trait's contract; the call returns after the kernel has run.
+        launched("gate_mul", unsafe {
+            ls_host_gate_mul(g, ptr(gate), ptr(up), n, act)
+        })
+    }
+
+    unsafe fn add(&self, a: Addr, b: Addr, n: usize) -> Result<()> {
         let g = launch::elementwise(n)?.into();
         let n = int("n", n)?;
         // SAFETY: the trait's contract; the call returns after the kernel has run.
-        let code = unsafe {
-            match op {
-                Elementwise::SiluMul => ls_host_silu_mul(g, ptr(a), ptr(b), n),
-                Elementwise::Add => ls_host_add_inplace(g, ptr(a), ptr(b), n),
-            }
-        };
-        launched(op.kernel(), code)
+        launched("add_inplace", unsafe {
+            ls_host_add_inplace(g, ptr(a), ptr(b), n)
+        })
     }
 
     unsafe fn attention(

@@ -73,21 +73,20 @@ pub fn rmsnorm(b: &dyn KernelOps) {
     assert_close(b, "rmsnorm", &got, &want, 1e-5);
 }
 
-/// SiLU-multiply and the residual add over a length that is not a multiple of a block.
+/// The gated activation of every FFN type and the residual add, over a length that is not a
+/// multiple of a block.
 pub fn elementwise(b: &dyn KernelOps) {
     let (g, u) = (values(1000, 3), values(1000, 4));
-    let silu: Vec<f32> = g
-        .iter()
-        .zip(&u)
-        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-        .collect();
-    assert_close(
-        b,
-        "silu_mul",
-        &b.silu_mul(&g, &u).expect("silu_mul"),
-        &silu,
-        1e-5,
-    );
+    let g: Vec<f32> = g.iter().map(|v| 6.0 * v).collect(); // past GELU's bend
+    for act in [
+        FfnActivation::Silu,
+        FfnActivation::Relu,
+        FfnActivation::GeluTanh,
+    ] {
+        let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| act.apply(*g) * u).collect();
+        let got = b.gate(act, &g, &u).expect("gate");
+        assert_close(b, &format!("gate {act:?}"), &got, &want, 1e-5);
+    }
     let sum: Vec<f32> = g.iter().zip(&u).map(|(x, y)| x + y).collect();
     assert_close(b, "add", &b.add(&g, &u).expect("add"), &sum, 1e-6);
     assert!(

@@ -51,25 +51,6 @@ pub struct Gathered {
     pub n: usize,
 }
 
-/// The in-place element-wise kernels `kernel(float* a, const float* b, int n)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Elementwise {
-    /// `a = silu(a) · b`.
-    SiluMul,
-    /// `a += b`.
-    Add,
-}
-
-impl Elementwise {
-    /// The kernel's name in `elementwise.cu`.
-    pub fn kernel(self) -> &'static str {
-        match self {
-            Elementwise::SiluMul => "silu_mul",
-            Elementwise::Add => "add_inplace",
-        }
-    }
-}
-
 /// A GPU: its memory, and the kernels queued on it in order. Copies to the host wait for the
 /// kernels queued before them; copies to the device are ordered after them.
 ///
@@ -144,11 +125,16 @@ pub trait Device: Send + Sync + Debug {
         inv_freq: Addr,
         style: RopeStyle,
     ) -> Result<()>;
-    /// `silu_mul` or `add_inplace` over `n` values.
+    /// `gate_mul`: `gate = activation(gate) · up` over `n` values.
     ///
     /// # Safety
     /// The kernel contract of [`Device`].
-    unsafe fn elementwise(&self, op: Elementwise, a: Addr, b: Addr, n: usize) -> Result<()>;
+    unsafe fn gate(&self, activation: FfnActivation, gate: Addr, up: Addr, n: usize) -> Result<()>;
+    /// `add_inplace`: `a += b` over `n` values.
+    ///
+    /// # Safety
+    /// The kernel contract of [`Device`].
+    unsafe fn add(&self, a: Addr, b: Addr, n: usize) -> Result<()>;
     /// `attention_decode`: positions `shape.first..shape.n_pos` of caches whose positions are
     /// `kv_stride` values apart.
     ///
@@ -273,6 +259,13 @@ impl<T: Plain> Buffer<T> {
         unsafe { dev.write(self.addr(), bytes_of(values)) }
     }
 
+    /// Copies `values` into the buffer from value `at`.
+    pub fn write_at(&self, dev: &dyn Device, at: usize, values: &[T]) -> Result<()> {
+        self.check(at.saturating_add(values.len()))?;
+        // SAFETY: the buffer holds at least `at + values.len()` values (checked).
+        unsafe { dev.write(self.at(at), bytes_of(values)) }
+    }
+
     /// Copies the first `into.len()` values to the host.
     pub fn read(&self, dev: &dyn Device, into: &mut [T]) -> Result<()> {
         self.check(into.len())?;
@@ -326,12 +319,16 @@ impl<D: Device> KernelOps for D {
         dx.to_vec(self, x.len())
     }
 
-    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
-        binary(self, Elementwise::SiluMul, gate, up)
+    fn gate(&self, activation: FfnActivation, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+        // SAFETY: n values behind both (checked by `binary`).
+        binary(self, gate, up, |g, u, n| unsafe {
+            Device::gate(self, activation, g, u, n)
+        })
     }
 
     fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
-        binary(self, Elementwise::Add, a, b)
+        // SAFETY: n values behind both (checked by `binary`).
+        binary(self, a, b, |a, b, n| unsafe { Device::add(self, a, b, n) })
     }
 
     fn matvec(&self, w: Matrix<'_>, x: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
@@ -476,11 +473,15 @@ impl<D: Device> KernelOps for D {
     }
 }
 
-/// An element-wise kernel on copies of `a` and `b`.
-fn binary<D: Device>(dev: &D, op: Elementwise, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
+/// An in-place element-wise kernel `launch(a, b, n)` on copies of `a` and `b` (of one length).
+fn binary<D: Device>(
+    dev: &D,
+    a: &[f32],
+    b: &[f32],
+    launch: impl FnOnce(Addr, Addr, usize) -> Result<()>,
+) -> Result<Vec<f32>> {
     expect_len("b", b, a.len())?;
     let (da, db) = (Buffer::upload(dev, "a", a)?, Buffer::upload(dev, "b", b)?);
-    // SAFETY: n values behind both.
-    unsafe { dev.elementwise(op, da.addr(), db.addr(), a.len())? };
+    launch(da.addr(), db.addr(), a.len())?;
     da.to_vec(dev, a.len())
 }

@@ -61,6 +61,16 @@ pub fn rope_style_code(style: RopeStyle) -> i32 {
     }
 }
 
+/// The `act` argument of `gate_mul` and `ffn_gate_up_gathered` (`common.cuh`
+/// `ls_activation`): 0 SiLU, 1 ReLU, 2 GELU (tanh approximation).
+pub fn act_code(activation: FfnActivation) -> i32 {
+    match activation {
+        FfnActivation::Silu => 0,
+        FfnActivation::Relu => 1,
+        FfnActivation::GeluTanh => 2,
+    }
+}
+
 /// `rmsnorm`: one block of 256 threads per row.
 pub fn rmsnorm(rows: usize) -> Result<Launch> {
     Ok(Launch::new((blocks("rows", rows)?, 1, 1), 256))
@@ -77,7 +87,7 @@ pub fn rope(n_heads: usize, head_dim: usize) -> Result<Launch> {
     Ok(Launch::new((blocks("n_heads", n_heads)?, 1, 1), threads))
 }
 
-/// `silu_mul` and `add_inplace`: one thread per element, 256 a block.
+/// `gate_mul` and `add_inplace`: one thread per element, 256 a block.
 pub fn elementwise(n: usize) -> Result<Launch> {
     Ok(Launch::new((blocks("n", n.div_ceil(256))?, 1, 1), 256))
 }
@@ -123,11 +133,7 @@ pub struct Ffn {
 /// The FFN launches for `n_chunks` (≥ 1) chunks of `layout`.
 pub fn ffn(layout: &ChunkLayout, n_chunks: usize, activation: FfnActivation) -> Result<Ffn> {
     let l = layout;
-    let act = match activation {
-        FfnActivation::Silu => 0,
-        FfnActivation::Relu => 1,
-        FfnActivation::GeluTanh => 2,
-    };
+    let act = act_code(activation);
     let chunks = blocks("chunks", n_chunks)?;
     let neuron_blocks = blocks("chunk_neurons", l.chunk_neurons.div_ceil(8))?;
     let output_blocks = blocks("d_model", l.d_model.div_ceil(256))?;

@@ -113,8 +113,8 @@ pub trait KernelOps {
     fn name(&self) -> String;
     /// RMSNorm of each row of `x` (rows of `weight.len()` values).
     fn rmsnorm(&self, x: &[f32], weight: &[f32], eps: f32) -> Result<Vec<f32>>;
-    /// `silu(gate) * up`, element by element.
-    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
+    /// `activation(gate) * up`, element by element (the gated FFN's step).
+    fn gate(&self, activation: FfnActivation, gate: &[f32], up: &[f32]) -> Result<Vec<f32>>;
     /// `a + b`, element by element.
     fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>>;
     /// `W x (+ bias)`.
@@ -236,10 +236,10 @@ impl KernelOps for CpuOps {
         Ok(out)
     }
 
-    fn silu_mul(&self, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
+    fn gate(&self, activation: FfnActivation, gate: &[f32], up: &[f32]) -> Result<Vec<f32>> {
         expect_len("up", up, gate.len())?;
         let mut out = gate.to_vec();
-        cpu::silu_mul(&mut out, up);
+        Kernels::best().gate(activation, &mut out, up);
         Ok(out)
     }
 

@@ -10,6 +10,14 @@
 //! the model's gate, up and down rows are packed into neuron bundles (the `.lsm` chunk layout)
 //! when uploaded, so one kernel pair serves dense and sparse and is tested once.
 //!
+//! A model loaded under a memory plan ([`Model::load_within`]) keeps what the plan keeps in
+//! device memory and reads the rest as the CPU does, through the weight stream: each streamed
+//! piece (a range of a layer's rows, of the head's rows) is copied from its slot into a staging
+//! buffer of the session and computed there with the matrix-vector kernel (the FFN as gate and
+//! up rows, the activation, then the down rows). On Jetson that copy is DRAM to DRAM, tens of
+//! GB/s against the storage's few; reading the slots in place (registered with the driver) is
+//! not done.
+//!
 //! Any [`Device`] runs it: the CUDA backend on a GPU, and the kernels built for the host in the
 //! test command (`cuda-kernels/host/tests/forward.rs` compares this pass with the CPU's on every
 //! architecture).
@@ -18,24 +26,51 @@ use std::sync::Arc;
 
 use super::layer::{self, Block, LayerSteps};
 use super::pass::never;
+use super::planned::{HeadSpan, PieceView};
 use super::{Decode, FfnExecutor, Model, check_tokens};
-use crate::backend::device::{Addr, Buffer, Device, Elementwise, Gathered};
+use crate::backend::device::{Addr, Buffer, Device, Gathered};
 use crate::backend::ops::AttentionShape;
 use crate::model::lsm::ChunkLayout;
 use crate::model::{Down, FfnActivation, FfnWeights, ModelConfig, QRows};
+use crate::plan::Part;
 use crate::quant::DType;
 use crate::{Error, Result};
 
 /// Neurons per chunk of the resident dense FFN (one block of the down kernel's grid per chunk).
 const RESIDENT_CHUNK_NEURONS: usize = 64;
 
-/// A quantised matrix in device memory, rows back to back.
-#[derive(Debug)]
-struct DeviceMatrix {
-    bytes: Buffer<u8>,
+/// Most matrices staged from one unit of the weight stream: its pieces times their matrices
+/// (a unit holds a few pieces; a gate-and-up piece has two matrices). Sizes the staging
+/// buffer's alignment padding; more is refused, not overrun.
+const STAGED_PER_UNIT: usize = 64;
+
+/// Rows of a quantised matrix back to back in device memory, where the matrix-vector kernel
+/// reads them.
+#[derive(Clone, Copy, Debug)]
+struct DeviceRows {
+    at: Addr,
     dtype: DType,
     rows: usize,
     cols: usize,
+}
+
+impl DeviceRows {
+    /// Queues `y = W x (+ bias)`.
+    ///
+    /// # Safety
+    /// `x` holds `cols` values, `y` (and `bias`, unless null) `rows`, of the same device, and
+    /// the rows stay where they are until the device has run the kernel.
+    unsafe fn apply(&self, dev: &dyn Device, x: Addr, bias: Addr, y: Addr) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { dev.matvec(self.at, self.dtype, self.rows, self.cols, x, bias, y) }
+    }
+}
+
+/// A quantised matrix uploaded to device memory.
+#[derive(Debug)]
+struct DeviceMatrix {
+    bytes: Buffer<u8>,
+    rows: DeviceRows,
 }
 
 impl DeviceMatrix {
@@ -50,23 +85,35 @@ impl DeviceMatrix {
         for r in 0..m.rows {
             packed.extend_from_slice(m.row(r));
         }
+        let bytes = Buffer::upload(dev, what, &packed)?;
         Ok(DeviceMatrix {
-            bytes: Buffer::upload(dev, what, &packed)?,
-            dtype: m.dtype,
-            rows: m.rows,
-            cols: m.cols,
+            rows: DeviceRows {
+                at: bytes.addr(),
+                dtype: m.dtype,
+                rows: m.rows,
+                cols: m.cols,
+            },
+            bytes,
         })
     }
 
     /// Queues `y = W x (+ bias)`.
     ///
     /// # Safety
-    /// `x` holds `cols` values, `y` (and `bias`, unless null) `rows`, of the same device.
+    /// As [`DeviceRows::apply`]; the rows are this matrix's own bytes.
     unsafe fn apply(&self, dev: &dyn Device, x: Addr, bias: Addr, y: Addr) -> Result<()> {
-        let w = self.bytes.addr();
-        // SAFETY: the caller's contract; the weights are this matrix's own bytes.
-        unsafe { dev.matvec(w, self.dtype, self.rows, self.cols, x, bias, y) }
+        // SAFETY: the caller's contract.
+        unsafe { self.rows.apply(dev, x, bias, y) }
     }
+}
+
+/// A layer's attention projections in device memory.
+#[derive(Debug)]
+struct Projections {
+    wq: DeviceMatrix,
+    wk: DeviceMatrix,
+    wv: DeviceMatrix,
+    wo: DeviceMatrix,
 }
 
 /// One layer's FFN as neuron chunks in device memory, with the pointer list of all of them.
@@ -80,10 +127,8 @@ struct DeviceFfn {
 #[derive(Debug)]
 struct DeviceLayer {
     attn_norm: Buffer<f32>,
-    wq: DeviceMatrix,
-    wk: DeviceMatrix,
-    wv: DeviceMatrix,
-    wo: DeviceMatrix,
+    /// `None` when the plan streams the layer: its pieces come through the weight stream.
+    projections: Option<Projections>,
     bq: Option<Buffer<f32>>,
     bk: Option<Buffer<f32>>,
     bv: Option<Buffer<f32>>,
@@ -92,7 +137,8 @@ struct DeviceLayer {
     post_attn_norm: Option<Buffer<f32>>,
     ffn_norm: Buffer<f32>,
     post_ffn_norm: Option<Buffer<f32>>,
-    /// `None` when the FFN is streamed (the pipeline's cache holds it instead).
+    /// `None` when the FFN is streamed: by the sparse pipeline's cache, or by the weight
+    /// stream when the plan streams the layer.
     ffn: Option<DeviceFfn>,
 }
 
@@ -103,7 +149,11 @@ pub struct GpuModel {
     host: Arc<Model>,
     layers: Vec<DeviceLayer>,
     output_norm: Buffer<f32>,
-    output: DeviceMatrix,
+    /// The head's resident rows (from row 0: all of them unless the plan streams the head).
+    output: Option<DeviceMatrix>,
+    /// Bytes of the largest unit the weight stream reads (0 without one): what a session's
+    /// staging buffer holds.
+    staging_bytes: usize,
     /// The distinct RoPE frequency tables, and which one each layer uses.
     rope_freqs: Vec<Buffer<f32>>,
     rope_of_layer: Vec<usize>,
@@ -185,15 +235,10 @@ impl GpuModel {
     /// Uploads `model`'s weights, with `with_ffn` every FFN neuron too (dense decoding), to
     /// `dev`. Without the FFN only [`GpuSession::forward_with`] runs: the streaming pipeline
     /// brings the FFN.
+    ///
+    /// Under a memory plan only what the plan keeps is uploaded; each session stages the
+    /// streamed pieces as they arrive.
     pub fn new(dev: Arc<dyn Device>, model: Arc<Model>, with_ffn: bool) -> Result<GpuModel> {
-        if model.plan().is_some_and(|p| p.streams()) {
-            return Err(Error::InvalidArgument {
-                arg: "backend",
-                reason: "the GPU backend uploads every weight; a memory plan that streams \
-                         weights from storage runs on the CPU (--backend cpu)"
-                    .into(),
-            });
-        }
         let d: &dyn Device = &*dev;
         let w = &model.weights;
         let c = &w.config;
@@ -218,17 +263,32 @@ impl GpuModel {
                     "layer {l}: FFN types {types:?} differ from layer 0's"
                 )));
             }
-            let ffn = if with_ffn {
+            let resident = model.layer_resident(l);
+            if !resident && matches!(lw.ffn.down, Down::Neurons(_)) {
+                return Err(Error::unsupported(
+                    &model.path,
+                    "a plan that streams a .lsm layer's neuron bundles runs on the CPU \
+                     (--backend cpu), or give the GPU the whole layer",
+                ));
+            }
+            let ffn = if with_ffn && resident {
                 Some(upload_ffn(d, &lw.ffn, &ffn_layout)?)
+            } else {
+                None
+            };
+            let projections = if resident {
+                Some(Projections {
+                    wq: DeviceMatrix::new(d, "wq", &lw.wq)?,
+                    wk: DeviceMatrix::new(d, "wk", &lw.wk)?,
+                    wv: DeviceMatrix::new(d, "wv", &lw.wv)?,
+                    wo: DeviceMatrix::new(d, "wo", &lw.wo)?,
+                })
             } else {
                 None
             };
             layers.push(DeviceLayer {
                 attn_norm: Buffer::upload(d, "attn_norm", &lw.attn_norm)?,
-                wq: DeviceMatrix::new(d, "wq", &lw.wq)?,
-                wk: DeviceMatrix::new(d, "wk", &lw.wk)?,
-                wv: DeviceMatrix::new(d, "wv", &lw.wv)?,
-                wo: DeviceMatrix::new(d, "wo", &lw.wo)?,
+                projections,
                 bq: optional(d, "bq", &lw.bq)?,
                 bk: optional(d, "bk", &lw.bk)?,
                 bv: optional(d, "bv", &lw.bv)?,
@@ -245,7 +305,16 @@ impl GpuModel {
             .iter()
             .map(|t| Buffer::upload(d, "RoPE frequencies", t))
             .collect::<Result<Vec<_>>>()?;
-        let output = DeviceMatrix::new(d, "output", &w.output)?;
+        let mut output = None;
+        model.for_each_head_piece(HeadSpan::Resident, &mut |piece| {
+            output = Some(DeviceMatrix::new(d, "output", &piece.m)?);
+            Ok(())
+        })?;
+        let staging_bytes = model.planned.as_ref().map_or(0, |p| {
+            let largest = p.stream.units().iter().map(|u| u.bytes()).max();
+            // Room for each staged matrix to start on 16 bytes.
+            largest.map_or(0, |b| b as usize + 16 * STAGED_PER_UNIT)
+        });
         let output_norm = Buffer::upload(d, "output_norm", &w.output_norm)?;
         let vectors = |l: &DeviceLayer| {
             [&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm]
@@ -259,18 +328,19 @@ impl GpuModel {
         let per_layer: usize = layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo]
-                    .iter()
-                    .map(|m| m.bytes.bytes())
-                    .sum::<usize>()
-                    + vectors(l)
+                l.projections.as_ref().map_or(0, |p| {
+                    [&p.wq, &p.wk, &p.wv, &p.wo]
+                        .iter()
+                        .map(|m| m.bytes.bytes())
+                        .sum::<usize>()
+                }) + vectors(l)
                     + l.ffn
                         .as_ref()
                         .map_or(0, |f| f._chunks.bytes() + f.ptrs.bytes() + f.index.bytes())
             })
             .sum();
         let device_bytes = per_layer
-            + output.bytes.bytes()
+            + output.as_ref().map_or(0, |o| o.bytes.bytes())
             + output_norm.bytes()
             + rope_freqs.iter().map(Buffer::bytes).sum::<usize>();
         Ok(GpuModel {
@@ -279,6 +349,7 @@ impl GpuModel {
             layers,
             output_norm,
             output,
+            staging_bytes,
             rope_freqs,
             rope_of_layer,
             ffn_layout,
@@ -315,6 +386,8 @@ pub struct GpuSession {
     att: Buffer<f32>,         // (q_dim)
     proj: Buffer<f32>,        // (d_model)
     h: Buffer<f32>,           // (n_ff)
+    up: Buffer<f32>,          // (n_ff) a streamed FFN's up rows
+    staging: Buffer<u8>,      // (staging_bytes) streamed pieces
     logits: Buffer<f32>,      // (vocab)
     best: Buffer<u32>,        // (1)
     host_x: Vec<f32>,         // (d_model) embedding out, residual back (streaming)
@@ -354,6 +427,8 @@ impl GpuSession {
             att: Buffer::zeros(d, "att", c.q_dim())?,
             proj: Buffer::zeros(d, "proj", c.d_model)?,
             h: Buffer::zeros(d, "h", c.n_ff)?,
+            up: Buffer::zeros(d, "up", if model.staging_bytes > 0 { c.n_ff } else { 0 })?,
+            staging: Buffer::zeros(d, "staging", model.staging_bytes)?,
             logits: Buffer::zeros(d, "logits", c.vocab_size)?,
             best: Buffer::zeros(d, "argmax", 1)?,
             host_x: vec![0.0; c.d_model],
@@ -383,12 +458,14 @@ impl GpuSession {
             &self.att,
             &self.proj,
             &self.h,
+            &self.up,
             &self.logits,
         ]
         .iter()
         .map(|b| b.bytes())
         .sum::<usize>()
             + self.best.bytes()
+            + self.staging.bytes()
     }
 
     /// Bytes this session holds on the host (its staging buffers, from their capacities).
@@ -474,26 +551,108 @@ impl GpuSession {
         self.x.write(dev, &self.host_x)?;
         layer::layers(self, c, exec, &never)?;
         // SAFETY: every buffer below is this session's or the model's, sized at their creation
-        // for this configuration; `x`, `xn` hold d_model values, `logits` vocab.
+        // for this configuration; `x`, `xn` hold d_model values, `logits` vocab, and each head
+        // piece's rows are rows of the head.
         unsafe {
-            dev.rmsnorm(
-                self.xn.addr(),
-                self.x.addr(),
-                model.output_norm.addr(),
-                c.d_model,
-                1,
-                c.rms_eps,
-            )?;
-            let o = &model.output;
-            o.apply(dev, self.xn.addr(), Addr::NULL, self.logits.addr())?;
+            let (xn, logits) = (self.xn.addr(), &self.logits);
+            let norm = model.output_norm.addr();
+            dev.rmsnorm(xn, self.x.addr(), norm, c.d_model, 1, c.rms_eps)?;
+            if let Some(o) = &model.output {
+                o.apply(dev, xn, Addr::NULL, logits.addr())?;
+            }
+            model
+                .host
+                .for_each_head_piece(HeadSpan::Streamed, &mut |piece| {
+                    let staged = self.stage(dev, &[&piece.m])?;
+                    staged[0].apply(dev, xn, Addr::NULL, logits.at(piece.rows.start))
+                })?;
         }
         self.pos += 1;
         Ok(())
     }
 
+    /// Copies `matrices` (views of a weight-stream slot) into the staging buffer, each from a
+    /// 16-byte boundary, once the kernels queued before have run.
+    fn stage(&self, dev: &dyn Device, matrices: &[&QRows]) -> Result<Vec<DeviceRows>> {
+        let mut at = 0;
+        let mut staged = Vec::with_capacity(matrices.len());
+        for m in matrices {
+            let bytes = m.backing().as_slice();
+            if m.is_grouped() || m.tiled_rows() > 0 || bytes.len() != m.stored_bytes() {
+                return Err(Error::Cuda(format!(
+                    "a streamed {:?} piece of {} rows is not rows back to back",
+                    m.dtype, m.rows
+                )));
+            }
+            self.staging.write_at(dev, at, bytes)?;
+            staged.push(DeviceRows {
+                at: self.staging.at(at),
+                dtype: m.dtype,
+                rows: m.rows,
+                cols: m.cols,
+            });
+            at = (at + bytes.len()).next_multiple_of(16);
+        }
+        Ok(staged)
+    }
+
+    /// Calls `f` for each of layer `l`'s pieces of `parts` in compute order, its matrices
+    /// staged (a streamed layer: read by the weight stream, then copied to the device).
+    fn each_streamed(
+        &self,
+        l: usize,
+        parts: &[Part],
+        f: &mut dyn FnMut(&PieceView, &[DeviceRows]) -> Result<()>,
+    ) -> Result<()> {
+        let dev = &*self.model.dev;
+        let mut failed = None;
+        self.model.host.layer_pieces(l).each(parts, &mut |views| {
+            for v in views {
+                if failed.is_some() {
+                    return;
+                }
+                let matrices: Vec<&QRows> = v.m.iter().collect();
+                if let Err(e) = self.stage(dev, &matrices).and_then(|w| f(v, &w)) {
+                    failed = Some(e);
+                }
+            }
+        })?;
+        failed.map_or(Ok(()), Err)
+    }
+
     /// Where position `pos` of layer `l` starts in the KV caches.
     fn kv_at(&self, l: usize, pos: usize) -> usize {
         (l * self.max_context + pos) * self.config().kv_dim()
+    }
+}
+
+impl GpuSession {
+    /// The FFN of a layer the weight stream brings: each piece's gate and up rows and the
+    /// activation into `h`, then the down rows' outputs into `proj` (the CPU's order).
+    fn streamed_ffn(&mut self, l: usize, activation: FfnActivation) -> Result<()> {
+        let dev = &*self.model.dev;
+        let (xn, h, up) = (self.xn.addr(), &self.h, &self.up);
+        self.each_streamed(l, &[Part::GateUp, Part::Neurons], &mut |v, w| {
+            let r = v.rows.clone();
+            if v.part != Part::GateUp {
+                return Err(Error::Cuda(format!(
+                    "layer {l}: {:?} pieces stream on the CPU only",
+                    v.part
+                )));
+            }
+            // SAFETY: see the LayerSteps impl; neurons `r` of `h` and `up` are the piece's.
+            unsafe {
+                w[0].apply(dev, xn, Addr::NULL, h.at(r.start))?;
+                w[1].apply(dev, xn, Addr::NULL, up.at(r.start))?;
+                dev.gate(activation, h.at(r.start), up.at(r.start), r.len())
+            }
+        })?;
+        let proj = &self.proj;
+        self.each_streamed(l, &[Part::Down], &mut |v, w| {
+            // SAFETY: see the LayerSteps impl; the piece's rows are outputs `rows` of W_down,
+            // each over all n_ff activations.
+            unsafe { w[0].apply(dev, h.addr(), Addr::NULL, proj.at(v.rows.start)) }
+        })
     }
 }
 
@@ -532,14 +691,29 @@ impl LayerSteps for GpuSession {
         let (dev, layer) = (&*self.model.dev, &self.model.layers[l]);
         let at = self.kv_at(l, self.pos);
         let (k_slot, v_slot) = (self.key_cache.at(at), self.value_cache.at(at));
+        let xn = self.xn.addr();
         // K and V go straight to the caches at this position.
+        let Some(p) = &layer.projections else {
+            return self.each_streamed(l, &[Part::Q, Part::K, Part::V], &mut |v, w| {
+                let (y, bias) = match v.part {
+                    Part::Q => (self.q.addr(), &layer.bq),
+                    Part::K => (k_slot, &layer.bk),
+                    _ => (v_slot, &layer.bv),
+                };
+                let r = v.rows.start;
+                let bias = bias.as_ref().map_or(Addr::NULL, |b| b.at(r));
+                // SAFETY: see the impl; the piece's rows `r..` of the projection write its
+                // outputs `r..` (of a bias too).
+                unsafe { w[0].apply(dev, xn, bias, y.offset::<f32>(r)) }
+            });
+        };
         for (m, b, y) in [
-            (&layer.wq, &layer.bq, self.q.addr()),
-            (&layer.wk, &layer.bk, k_slot),
-            (&layer.wv, &layer.bv, v_slot),
+            (&p.wq, &layer.bq, self.q.addr()),
+            (&p.wk, &layer.bk, k_slot),
+            (&p.wv, &layer.bv, v_slot),
         ] {
             // SAFETY: see the impl.
-            unsafe { m.apply(dev, self.xn.addr(), or_null(b), y)? };
+            unsafe { m.apply(dev, xn, or_null(b), y)? };
         }
         Ok(())
     }
@@ -587,9 +761,16 @@ impl LayerSteps for GpuSession {
     }
 
     fn project_out(&mut self, l: usize) -> Result<()> {
-        let (dev, wo) = (&*self.model.dev, &self.model.layers[l].wo);
+        let (dev, att) = (&*self.model.dev, self.att.addr());
+        let Some(p) = &self.model.layers[l].projections else {
+            return self.each_streamed(l, &[Part::O], &mut |v, w| {
+                let y = self.proj.at(v.rows.start);
+                // SAFETY: see the impl; the piece's rows are rows of W_o.
+                unsafe { w[0].apply(dev, att, Addr::NULL, y) }
+            });
+        };
         // SAFETY: see the impl.
-        unsafe { wo.apply(dev, self.att.addr(), Addr::NULL, self.proj.addr()) }
+        unsafe { p.wo.apply(dev, att, Addr::NULL, self.proj.addr()) }
     }
 
     fn ffn(
@@ -605,6 +786,9 @@ impl LayerSteps for GpuSession {
             let layer = &model.host.weights.layers[l];
             e.ffn(l, layer, &self.host_xn, &mut self.host_out)?;
             return self.proj.write(dev, &self.host_out);
+        }
+        if model.layers[l].projections.is_none() {
+            return self.streamed_ffn(l, activation);
         }
         let ffn = model.layers[l].ffn.as_ref().ok_or_else(|| {
             Error::Cuda(
@@ -641,7 +825,7 @@ impl LayerSteps for GpuSession {
             if let Some(w) = norm {
                 dev.rmsnorm(proj, proj, w.addr(), c.d_model, 1, c.rms_eps)?;
             }
-            dev.elementwise(Elementwise::Add, x, proj, c.d_model)
+            dev.add(x, proj, c.d_model)
         }
     }
 }

@@ -301,6 +301,13 @@ impl Model {
         self.planned.as_ref().map(|p| p.stream.counters())
     }
 
+    /// Whether layer `l`'s matrices are in memory (not streamed by a plan).
+    pub(crate) fn layer_resident(&self, l: usize) -> bool {
+        self.planned
+            .as_ref()
+            .is_none_or(|p| p.units_of_layer[l].is_empty())
+    }
+
     /// Layer `l`'s matrices, piece by piece ([`LayerPieces::each`]).
     pub(crate) fn layer_pieces(&self, l: usize) -> LayerPieces<'_> {
         let units = self

@@ -669,7 +669,7 @@ mod conformance_catches_errors {
     use crate::Result;
     use crate::backend::conformance;
     use crate::backend::ops::{AttentionShape, CpuOps, FfnChunks, FfnOutput, KernelOps, Matrix};
-    use crate::model::RopeStyle;
+    use crate::model::{FfnActivation, RopeStyle};
 
     struct Skewed;
 
@@ -680,8 +680,8 @@ mod conformance_catches_errors {
         fn rmsnorm(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
             CpuOps.rmsnorm(x, w, eps)
         }
-        fn silu_mul(&self, g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
-            CpuOps.silu_mul(g, u)
+        fn gate(&self, a: FfnActivation, g: &[f32], u: &[f32]) -> Result<Vec<f32>> {
+            CpuOps.gate(a, g, u)
         }
         fn add(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>> {
             CpuOps.add(a, b)

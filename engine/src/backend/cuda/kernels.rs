@@ -13,7 +13,7 @@ use cust::sys;
 
 use super::memory::check;
 use super::{CudaBackend, cuda};
-use crate::backend::device::{Addr, Allocation, Device, Elementwise, Gathered};
+use crate::backend::device::{Addr, Allocation, Device, Gathered};
 use crate::backend::launch::{self, Launch, dtype_code, int};
 use crate::backend::ops::AttentionShape;
 use crate::model::lsm::ChunkLayout;
@@ -138,15 +138,27 @@ impl Device for CudaBackend {
         }
     }
 
-    unsafe fn elementwise(&self, op: Elementwise, a: Addr, b: Addr, n: usize) -> Result<()> {
-        let f = self.function("elementwise", op.kernel())?;
+    unsafe fn gate(&self, activation: FfnActivation, gate: Addr, up: Addr, n: usize) -> Result<()> {
+        let f = self.function("elementwise", "gate_mul")?;
+        let stream = &self.stream;
+        let (grid, block, shared) = shape(launch::elementwise(n)?);
+        let (n, act) = (int("n", n)?, launch::act_code(activation));
+        // SAFETY: the trait's contract.
+        unsafe {
+            launch!(f<<<grid, block, shared, stream>>>(gate.0, up.0, n, act))
+                .map_err(cuda("launching gate_mul"))
+        }
+    }
+
+    unsafe fn add(&self, a: Addr, b: Addr, n: usize) -> Result<()> {
+        let f = self.function("elementwise", "add_inplace")?;
         let stream = &self.stream;
         let (grid, block, shared) = shape(launch::elementwise(n)?);
         let n = int("n", n)?;
         // SAFETY: the trait's contract.
         unsafe {
             launch!(f<<<grid, block, shared, stream>>>(a.0, b.0, n))
-                .map_err(|e| Error::Cuda(format!("launching {}: {e}", op.kernel())))
+                .map_err(cuda("launching add_inplace"))
         }
     }
 
