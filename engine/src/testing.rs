@@ -1,5 +1,7 @@
 //! Support shared by the test suites of every crate in the workspace.
 
+pub mod gpu;
+
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 

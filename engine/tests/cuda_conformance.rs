@@ -1,6 +1,8 @@
 //! The CUDA backend (feature `cuda`): every kernel through the conformance bodies the CPU
-//! backend also runs (`backend/conformance.rs`), then the end-to-end oracles on the real model:
-//! greedy ids of the GPU forward pass, dense and streaming, equal the CPU's.
+//! backend also runs (`backend/conformance.rs`); the GPU pass against the CPU's on tiny models
+//! of every architecture and under memory plans that stream (`testing::gpu`, the bodies the
+//! kernels built for the host also run); then the end-to-end oracles on the real model: greedy
+//! ids of the GPU forward pass, dense and streaming, equal the CPU's.
 //!
 //! They need a GPU and its driver; without one every test prints that it is skipped and why,
 //! and passes. Run them with `cargo test -p leanstream-engine --features cuda --test
@@ -36,6 +38,23 @@ fn gpu(test: &str) -> Option<CudaBackend> {
 
 mod kernels {
     leanstream_engine::conformance_tests!(super::gpu);
+}
+
+/// Tiny models of every architecture flavour (Gemma 3's QK-norm, post-norms, GeGLU, sliding
+/// window and scaled embeddings among them), generated here: the GPU pass equals the CPU's.
+#[test]
+fn every_architecture_on_the_gpu_equals_the_cpu() {
+    let Some(g) = gpu("architectures") else {
+        return;
+    };
+    leanstream_engine::testing::gpu::gpu_pass_equals_cpu_on_every_architecture(Arc::new(g));
+}
+
+/// Memory plans that stream the layers and the head, on the GPU: the logits of the whole model.
+#[test]
+fn memory_plans_that_stream_run_on_the_gpu() {
+    let Some(g) = gpu("memory plans") else { return };
+    leanstream_engine::testing::gpu::gpu_pass_runs_memory_plans(Arc::new(g));
 }
 
 /// The oracles' model: `$LEANSTREAM_CUDA_ORACLE_LSM`, else the real model as `.lsm`.

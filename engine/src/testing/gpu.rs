@@ -1,0 +1,181 @@
+//! The GPU's forward pass ([`GpuModel`], [`GpuSession`]) against the CPU's, on any [`Device`]:
+//! the bodies the kernels built for the host run in the test command
+//! (`cuda-kernels/host/tests/forward.rs`) and the CUDA backend runs on a GPU
+//! (`engine/tests/cuda_conformance.rs`, through `scripts/device-check`).
+//!
+//! Tiny models of every architecture flavour the engine reads (Llama, Qwen 2 with biases,
+//! Qwen 3 with QK-norm, Gemma 3 with QK-norm, post-norms, GeGLU, scaled embeddings and sliding
+//! windows) take a prompt longer than Gemma's window, then greedy decode steps. A GPU computes
+//! what the CPU computes up to summation order, so the logits agree to f32 rounding and the
+//! greedy tokens are the same. Then the same under memory plans that stream the layers and the
+//! head through the weight stream, cut into pieces of a few rows.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::backend::cpu::Precision;
+use crate::backend::device::Device;
+use crate::forward::{GpuModel, GpuSession, Model, Session};
+use crate::kv::KvType;
+use crate::model::gguf::{TinyArch, TinyLlama};
+use crate::plan::{Floor, Placement, Plan};
+use crate::quant::DType;
+use crate::sample::argmax;
+
+/// A directory of its own under the system's temporary directory, removed when dropped.
+struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    fn new() -> ScratchDir {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("leanstream-gpu-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Longer than Gemma's 4-position window, so its local layers drop positions.
+const PROMPT: [u32; 6] = [1, 40, 41, 100, 7, 99];
+const STEPS: usize = 3;
+
+/// The largest difference over the largest value: f32 summation order moves it by ~1e-6.
+fn error(got: &[f32], want: &[f32]) -> f32 {
+    let diff = got.iter().zip(want).map(|(g, w)| (g - w).abs());
+    let scale = want.iter().fold(0f32, |m, w| m.max(w.abs())).max(1e-6);
+    diff.fold(0f32, f32::max) / scale
+}
+
+/// Logits after the prompt and after each greedy step, with `step` running one token.
+fn run(mut step: impl FnMut(u32) -> Vec<f32>, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    let mut logits = Vec::new();
+    for &t in prompt {
+        logits = step(t);
+    }
+    out.push(logits);
+    for _ in 0..STEPS {
+        let next = argmax(out.last().expect("logits"));
+        out.push(step(next));
+    }
+    out
+}
+
+const CONTEXT: usize = 64;
+
+/// The CPU's logits for `model` (loaded whole).
+fn cpu_logits(model: &Arc<Model>) -> Vec<Vec<f32>> {
+    let mut cpu =
+        Session::new(Arc::clone(model), CONTEXT, Precision::Exact, KvType::F32).expect("cpu");
+    run(|t| cpu.forward(t).expect("cpu step").to_vec(), &PROMPT)
+}
+
+/// The GPU pass's logits for `model` (whole or planned) on the host kernels, checked against
+/// `want`.
+fn check_gpu(dev: &Arc<dyn Device>, model: Arc<Model>, want: &[Vec<f32>], what: &str) {
+    let dev = Arc::clone(dev);
+    let gpu_model = Arc::new(GpuModel::new(dev, model, true).expect("upload"));
+    let mut gpu = GpuSession::new(gpu_model, CONTEXT).expect("gpu session");
+    let got = run(|t| gpu.forward(t).expect("gpu step").to_vec(), &PROMPT);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = error(g, w);
+        assert!(e < 1e-4, "{what}: logits of step {i} differ by {e}");
+        assert_eq!(argmax(g), argmax(w), "{what}: greedy token of step {i}");
+    }
+    assert!(
+        gpu.position() == PROMPT.len() + STEPS,
+        "{what}: positions held"
+    );
+}
+
+fn same_as_cpu(dev: &Arc<dyn Device>, arch: TinyArch, dtype: DType) {
+    let dir = ScratchDir::new();
+    let path = dir.0.join("tiny.gguf");
+    TinyLlama::with_arch(5, arch)
+        .write_gguf(&path, dtype)
+        .expect("write");
+    let model = Model::load(&path).expect("load");
+    let want = cpu_logits(&model);
+    check_gpu(dev, model, &want, &format!("{arch:?} {dtype}"));
+}
+
+/// One weight type per flavour (each launch starts a block's worth of host threads, so the
+/// models are few): a 32-value block type with an offset, f16, and 8-bit blocks.
+pub fn gpu_pass_equals_cpu_on_every_architecture(dev: Arc<dyn Device>) {
+    let types = [DType::Q4_1, DType::F16, DType::Q8_0, DType::Q8_0];
+    for (arch, dtype) in TinyArch::ALL.into_iter().zip(types) {
+        same_as_cpu(&dev, arch, dtype);
+    }
+}
+
+/// Pieces of a few rows: every projection and the head are cut in several, so each piece's
+/// rows land at their own outputs.
+const PIECE_BYTES: usize = 8 << 10;
+
+/// A predicate on the placement a plan chose.
+type Shape<'a> = Box<dyn Fn(&Plan) -> bool + 'a>;
+
+/// The smallest budget whose plan `wanted` accepts, scanning up from the floor in pages.
+fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
+    let floor = Floor::of(model, CONTEXT, KvType::default());
+    let mut b = floor.total();
+    loop {
+        if let Ok(p) = Plan::in_pieces(&model.weights, b, floor, model.piece_bytes)
+            && wanted(&p)
+        {
+            return b;
+        }
+        b += 4096;
+        assert!(b < floor.total() + (64 << 20), "no budget gives that plan");
+    }
+}
+
+/// A Gemma-3-shaped model deep enough to plan (6 layers, f32) under budgets that stream the
+/// layers and part of the head, and some of the layers: the pieces go through the weight
+/// stream and the session's staging buffer, and the logits stay the whole model's.
+pub fn gpu_pass_runs_memory_plans(dev: Arc<dyn Device>) {
+    let dir = ScratchDir::new();
+    let path = dir.0.join("tiny.gguf");
+    TinyLlama::with_layers(9, TinyArch::Gemma3, 6)
+        .write_gguf(&path, DType::F32)
+        .expect("write");
+    let full = Model::load_in_pieces(&path, PIECE_BYTES).expect("load");
+    let want = cpu_logits(&full);
+    let streamed = |p: &Plan| {
+        p.layers
+            .iter()
+            .filter(|l| **l == Placement::Streamed)
+            .count()
+    };
+    let n = full.weights.layers.len();
+    let shapes: [(&str, Shape<'_>); 2] = [
+        (
+            "the head's first rows resident, the rest and every layer streamed",
+            Box::new(|p| {
+                p.head == Placement::Streamed && p.head_resident_rows > 0 && streamed(p) == n
+            }),
+        ),
+        (
+            "some layers resident",
+            Box::new(|p| (1..n).contains(&streamed(p))),
+        ),
+    ];
+    for (what, shape) in shapes {
+        let budget = budget_for(&full, &shape);
+        let planned =
+            Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), PIECE_BYTES)
+                .expect("plan");
+        assert!(
+            shape(planned.plan().expect("a plan")),
+            "{what}: the plan's shape"
+        );
+        check_gpu(&dev, planned, &want, what);
+    }
+}
