@@ -50,6 +50,15 @@ fn every_architecture_on_the_gpu_equals_the_cpu() {
     leanstream_engine::testing::gpu::gpu_pass_equals_cpu_on_every_architecture(Arc::new(g));
 }
 
+/// Gemma-3-270M's layer shapes (heads of 256 values, one KV head) with its features.
+#[test]
+fn a_gemma3_shaped_model_on_the_gpu_equals_the_cpu() {
+    let Some(g) = gpu("Gemma-3-shaped") else {
+        return;
+    };
+    leanstream_engine::testing::gpu::gpu_pass_equals_cpu_on_a_gemma3_shaped_model(Arc::new(g));
+}
+
 /// Memory plans that stream the layers and the head, on the GPU: the logits of the whole model.
 #[test]
 fn memory_plans_that_stream_run_on_the_gpu() {

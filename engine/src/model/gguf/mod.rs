@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use reader::{DEFAULT_ALIGNMENT, GgufFile, GgufTensorInfo, MAGIC, MAX_DIMS};
-pub use tiny::{TinyArch, TinyLlama, permute_qk, tiny_llama};
+pub use tiny::{TinyArch, TinyLlama, TinyShape, permute_qk, tiny_llama};
 pub use value::{Array, Value, dtype_from_ggml, ggml_type_name, ggml_type_of};
 
 use super::{

@@ -46,9 +46,17 @@ impl TinyArch {
         }
     }
 
-    /// The config an importer must produce for a tiny model of this flavour.
-    fn config(self, n_layers: usize) -> ModelConfig {
+    /// The config an importer must produce for a model of this flavour and `shape`.
+    fn config(self, shape: TinyShape) -> ModelConfig {
         let gemma = self == TinyArch::Gemma3;
+        let TinyShape {
+            n_layers,
+            d_model,
+            n_ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } = shape;
         ModelConfig {
             architecture: match self {
                 TinyArch::Llama => Architecture::Llama,
@@ -57,11 +65,11 @@ impl TinyArch {
                 TinyArch::Gemma3 => Architecture::Gemma3,
             },
             n_layers,
-            d_model: 64,
-            n_ff: 128,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 16,
+            d_model,
+            n_ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
             vocab_size: 128,
             context_length: 256,
             rope_base: if gemma { 1_000_000.0 } else { 10000.0 },
@@ -87,6 +95,42 @@ impl TinyArch {
             rope_freq_factors: None,
         }
     }
+}
+
+/// The dimensions of a generated model (the vocabulary is always the tiny one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TinyShape {
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl TinyShape {
+    /// The tiny model's: d_model 64, n_ff 128, 4 heads of 16, 2 KV heads.
+    pub const fn tiny(n_layers: usize) -> TinyShape {
+        TinyShape {
+            n_layers,
+            d_model: 64,
+            n_ff: 128,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+        }
+    }
+
+    /// Gemma-3-270M's layers: 18 of them, d_model 640, n_ff 2048, 4 heads of 256 and one KV
+    /// head (the GPU check's Gemma-shaped model; about 120 M parameters without the vocabulary).
+    pub const GEMMA3_270M: TinyShape = TinyShape {
+        n_layers: 18,
+        d_model: 640,
+        n_ff: 2048,
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+    };
 }
 
 /// A tiny model: 2 layers, d_model 64, n_ff 128, 4 heads of 16, 2 KV heads, vocab 128, a
@@ -179,9 +223,21 @@ impl TinyLlama {
 
     /// [`TinyLlama::with_arch`] with `n_layers` layers (the first two are the same as its).
     pub fn with_layers(seed: u64, arch: TinyArch, n_layers: usize) -> TinyLlama {
-        let config = arch.config(n_layers);
+        TinyLlama::with_shape(seed, arch, TinyShape::tiny(n_layers))
+    }
+
+    /// A model of the given flavour and layer dimensions, the tiny vocabulary, weights drawn
+    /// from `seed`.
+    pub fn with_shape(seed: u64, arch: TinyArch, shape: TinyShape) -> TinyLlama {
+        let config = arch.config(shape);
         let mut rng = Rng(seed);
-        let (d, q, kv, ff, v) = (64, 64, 32, 128, 128);
+        let (d, q, kv, ff, v) = (
+            config.d_model,
+            config.q_dim(),
+            config.kv_dim(),
+            config.n_ff,
+            config.vocab_size,
+        );
         let mut tensors = BTreeMap::new();
         let mut mat = |name: String, rows: usize, cols: usize, rng: &mut Rng| {
             let scale = 1.0 / (cols as f32).sqrt();
@@ -189,7 +245,7 @@ impl TinyLlama {
         };
         mat("token_embd.weight".into(), v, d, &mut rng);
         mat("output.weight".into(), v, d, &mut rng);
-        for l in 0..n_layers {
+        for l in 0..config.n_layers {
             mat(format!("blk.{l}.attn_q.weight"), q, d, &mut rng);
             mat(format!("blk.{l}.attn_k.weight"), kv, d, &mut rng);
             mat(format!("blk.{l}.attn_v.weight"), kv, d, &mut rng);
@@ -198,7 +254,7 @@ impl TinyLlama {
             mat(format!("blk.{l}.ffn_up.weight"), ff, d, &mut rng);
             mat(format!("blk.{l}.ffn_down.weight"), d, ff, &mut rng);
         }
-        for l in 0..n_layers {
+        for l in 0..config.n_layers {
             for norm in ["attn_norm", "ffn_norm"] {
                 tensors.insert(
                     format!("blk.{l}.{norm}.weight"),
@@ -293,6 +349,8 @@ impl TinyLlama {
             .add(&format!("{a}.attention.head_count"), u(c.n_heads))
             .add(&format!("{a}.attention.head_count_kv"), u(c.n_kv_heads))
             .add(&format!("{a}.rope.dimension_count"), u(c.head_dim))
+            .add(&format!("{a}.attention.key_length"), u(c.head_dim))
+            .add(&format!("{a}.attention.value_length"), u(c.head_dim))
             .add(&format!("{a}.rope.freq_base"), Value::F32(c.rope_base))
             .add(
                 &format!("{a}.attention.layer_norm_rms_epsilon"),
