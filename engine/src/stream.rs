@@ -95,6 +95,8 @@ pub struct WeightStream {
     io: Box<dyn IoEngine>,
     ring: Mutex<Ring>,
     slot_bytes: usize,
+    /// Where each slot is in memory (address, bytes), fixed from the start.
+    slot_memory: Vec<(usize, usize)>,
 }
 
 impl std::fmt::Debug for WeightStream {
@@ -150,6 +152,10 @@ impl WeightStream {
                 free.push(TensorBytes::from_aligned(buf));
             }
         }
+        let slot_memory = free
+            .iter()
+            .map(|s| (s.as_slice().as_ptr() as usize, s.len()))
+            .collect();
         let file = Arc::new(file);
         let opts = IoOptions {
             max_coalesce_bytes: REQUEST_BYTES,
@@ -172,6 +178,7 @@ impl WeightStream {
                 row,
             }),
             slot_bytes,
+            slot_memory,
         };
         stream.queue_ahead(&mut stream.lock());
         Ok(stream)
@@ -180,6 +187,12 @@ impl WeightStream {
     /// The streamed units, in compute order.
     pub fn units(&self) -> &[Unit] {
         &self.units
+    }
+
+    /// Where the ring's slots are in memory, `(address, bytes)` each, for as long as the stream
+    /// lives: what a GPU maps once to read the slots in place.
+    pub fn slot_memory(&self) -> &[(usize, usize)] {
+        &self.slot_memory
     }
 
     /// Bytes of the ring (0 when nothing streams).

@@ -63,7 +63,10 @@ fn a_gemma3_shaped_model_on_the_gpu_equals_the_cpu() {
 #[test]
 fn memory_plans_that_stream_run_on_the_gpu() {
     let Some(g) = gpu("memory plans") else { return };
-    leanstream_engine::testing::gpu::gpu_pass_runs_memory_plans(Arc::new(g));
+    let g = Arc::new(g);
+    for shape in leanstream_engine::testing::gpu::PlanShape::ALL {
+        leanstream_engine::testing::gpu::gpu_pass_runs_a_memory_plan(g.clone(), shape);
+    }
 }
 
 /// The oracles' model: `$LEANSTREAM_CUDA_ORACLE_LSM`, else the real model as `.lsm`.

@@ -11,7 +11,7 @@
 //! returns when the kernel has run, so the queue is always empty. A test harness only; nothing
 //! ships it.
 
-use leanstream_engine::backend::device::{Addr, Allocation, Device, Gathered};
+use leanstream_engine::backend::device::{Addr, Allocation, Device, Gathered, HostMapping};
 use leanstream_engine::backend::launch::{self, Launch, dtype_code, int};
 use leanstream_engine::backend::ops::AttentionShape;
 use leanstream_engine::model::lsm::ChunkLayout;
@@ -172,18 +172,51 @@ fn ptr<T>(a: Addr) -> *mut T {
     a.0 as usize as *mut T
 }
 
-/// The kernels of `cuda-kernels/src/` running on the host's CPU, over host memory.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HostKernels;
+/// The kernels of `cuda-kernels/src/` running on the host's CPU, over host memory. Like a
+/// Jetson ([`HostKernels::INTEGRATED`], the default) it maps host memory for the kernels to read
+/// in place; like a discrete GPU ([`HostKernels::DISCRETE`]) it does not, so its callers copy.
+#[derive(Clone, Copy, Debug)]
+pub struct HostKernels {
+    integrated: bool,
+}
+
+impl HostKernels {
+    pub const INTEGRATED: HostKernels = HostKernels { integrated: true };
+    pub const DISCRETE: HostKernels = HostKernels { integrated: false };
+}
+
+impl Default for HostKernels {
+    fn default() -> HostKernels {
+        HostKernels::INTEGRATED
+    }
+}
+
+/// A host range mapped for the host kernels: its addresses are its own.
+#[derive(Debug)]
+struct InPlace {
+    start: usize,
+    len: usize,
+}
+
+impl HostMapping for InPlace {
+    fn device_addr(&self, host: *const u8) -> Option<Addr> {
+        let off = (host as usize).checked_sub(self.start)?;
+        (off < self.len).then_some(Addr(host as usize as u64))
+    }
+}
 
 impl Device for HostKernels {
     fn name(&self) -> String {
-        "cuda kernels on the host".into()
+        let kind = if self.integrated {
+            "integrated"
+        } else {
+            "discrete"
+        };
+        format!("cuda kernels on the host (as an {kind} GPU)")
     }
 
-    /// The host's memory is the kernels' memory, as on Jetson.
     fn integrated(&self) -> bool {
-        true
+        self.integrated
     }
 
     fn alloc(&self, _what: &str, bytes: usize) -> Result<Box<dyn Allocation>> {
@@ -213,6 +246,15 @@ impl Device for HostKernels {
 
     fn sync(&self) -> Result<()> {
         Ok(())
+    }
+
+    unsafe fn map_host(&self, host: *mut u8, len: usize) -> Result<Option<Box<dyn HostMapping>>> {
+        Ok(self.integrated.then(|| {
+            Box::new(InPlace {
+                start: host as usize,
+                len,
+            }) as Box<dyn HostMapping>
+        }))
     }
 
     unsafe fn rmsnorm(

@@ -3,4 +3,6 @@
 //! counts them; `host-check --break` builds the kernels with an injected off-by-one and expects
 //! failures here.
 
-leanstream_engine::conformance_tests!(|_test: &str| Some(leanstream_cuda_host::HostKernels));
+leanstream_engine::conformance_tests!(|_test: &str| Some(
+    leanstream_cuda_host::HostKernels::default()
+));

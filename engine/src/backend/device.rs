@@ -41,6 +41,13 @@ pub trait Allocation: Send + Sync + Debug {
     fn addr(&self) -> Addr;
 }
 
+/// Host memory mapped for a device's kernels to read in place ([`Device::map_host`]), until
+/// dropped.
+pub trait HostMapping: Send + Sync + Debug {
+    /// The device address of the host byte at `host`, if the mapped range holds it.
+    fn device_addr(&self, host: *const u8) -> Option<Addr>;
+}
+
 /// The neuron chunks of one [`Device::ffn_gathered`] launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Gathered {
@@ -83,6 +90,14 @@ pub trait Device: Send + Sync + Debug {
     unsafe fn zero(&self, at: Addr, bytes: usize) -> Result<()>;
     /// Waits for everything queued.
     fn sync(&self) -> Result<()>;
+    /// Maps `len` bytes of host memory at `host` for kernels to read in place, where this
+    /// device reads host memory at its own memory's speed (an integrated GPU: the range is
+    /// registered and page-locked; the host build: the memory itself). `None` where it does not
+    /// (a discrete GPU: copy instead).
+    ///
+    /// # Safety
+    /// The range is one allocation that outlives the mapping and is not mapped twice at once.
+    unsafe fn map_host(&self, host: *mut u8, len: usize) -> Result<Option<Box<dyn HostMapping>>>;
 
     /// `rmsnorm`: `rows` rows of `n` values (`out` may be `x`).
     ///
@@ -236,6 +251,17 @@ impl<T: Plain> Buffer<T> {
     /// The address of value `i` (at most `len`: the end).
     pub fn at(&self, i: usize) -> Addr {
         assert!(i <= self.len, "value {i} of a buffer of {}", self.len);
+        self.addr().offset::<T>(i)
+    }
+
+    /// The address of values `i..i + n`; panics unless the buffer holds them (a kernel about to
+    /// write `n` values there cannot run past its end).
+    pub fn span(&self, i: usize, n: usize) -> Addr {
+        assert!(
+            i.checked_add(n).is_some_and(|end| end <= self.len),
+            "values {i}..{i}+{n} of a buffer of {}",
+            self.len
+        );
         self.addr().offset::<T>(i)
     }
 

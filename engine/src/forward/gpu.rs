@@ -11,12 +11,12 @@
 //! when uploaded, so one kernel pair serves dense and sparse and is tested once.
 //!
 //! A model loaded under a memory plan ([`Model::load_within`]) keeps what the plan keeps in
-//! device memory and reads the rest as the CPU does, through the weight stream: each streamed
-//! piece (a range of a layer's rows, of the head's rows) is copied from its slot into a staging
-//! buffer of the session and computed there with the matrix-vector kernel (the FFN as gate and
-//! up rows, the activation, then the down rows). On Jetson that copy is DRAM to DRAM, tens of
-//! GB/s against the storage's few; reading the slots in place (registered with the driver) is
-//! not done.
+//! device memory and reads the rest as the CPU does, through the weight stream, each streamed
+//! piece (a range of a layer's rows, of the head's rows) computed with the matrix-vector kernel
+//! (the FFN as gate and up rows, the activation, then the down rows). Where the device maps host
+//! memory (Jetson: the stream's slots registered with the driver once) the kernels read the
+//! pieces in place, and the pass waits for them before a slot goes back to the stream; on a
+//! discrete GPU each piece is copied into the session's staging buffer first.
 //!
 //! Any [`Device`] runs it: the CUDA backend on a GPU, and the kernels built for the host in the
 //! test command (`cuda-kernels/host/tests/forward.rs` compares this pass with the CPU's on every
@@ -28,7 +28,7 @@ use super::layer::{self, Block, LayerSteps};
 use super::pass::never;
 use super::planned::{HeadSpan, PieceView};
 use super::{Decode, FfnExecutor, Model, check_tokens};
-use crate::backend::device::{Addr, Buffer, Device, Gathered};
+use crate::backend::device::{Addr, Buffer, Device, Gathered, HostMapping};
 use crate::backend::ops::AttentionShape;
 use crate::model::lsm::ChunkLayout;
 use crate::model::{Down, FfnActivation, FfnWeights, ModelConfig, QRows};
@@ -146,6 +146,9 @@ struct DeviceLayer {
 /// is looked up there and copied over).
 pub struct GpuModel {
     dev: Arc<dyn Device>,
+    /// The weight stream's slots, mapped for the kernels to read in place (empty where the
+    /// device cannot, or nothing streams). Dropped before `host`, which owns the slots.
+    slots: Vec<Box<dyn HostMapping>>,
     host: Arc<Model>,
     layers: Vec<DeviceLayer>,
     output_norm: Buffer<f32>,
@@ -310,11 +313,25 @@ impl GpuModel {
             output = Some(DeviceMatrix::new(d, "output", &piece.m)?);
             Ok(())
         })?;
-        let staging_bytes = model.planned.as_ref().map_or(0, |p| {
-            let largest = p.stream.units().iter().map(|u| u.bytes()).max();
-            // Room for each staged matrix to start on 16 bytes.
-            largest.map_or(0, |b| b as usize + 16 * STAGED_PER_UNIT)
-        });
+        let mut slots = Vec::new();
+        if let Some(p) = &model.planned {
+            for &(at, len) in p.stream.slot_memory() {
+                // SAFETY: a slot is one allocation of the stream, which the model owns and this
+                // value outlives (`slots` is dropped before `host`); each is mapped once.
+                match unsafe { d.map_host(at as *mut u8, len)? } {
+                    Some(m) => slots.push(m),
+                    None => break,
+                }
+            }
+        }
+        let staging_bytes = match &model.planned {
+            Some(p) if slots.is_empty() => {
+                let largest = p.stream.units().iter().map(|u| u.bytes()).max();
+                // Room for each staged matrix to start on 16 bytes.
+                largest.map_or(0, |b| b as usize + 16 * STAGED_PER_UNIT)
+            }
+            _ => 0,
+        };
         let output_norm = Buffer::upload(d, "output_norm", &w.output_norm)?;
         let vectors = |l: &DeviceLayer| {
             [&l.bq, &l.bk, &l.bv, &l.q_norm, &l.k_norm]
@@ -345,6 +362,7 @@ impl GpuModel {
             + rope_freqs.iter().map(Buffer::bytes).sum::<usize>();
         Ok(GpuModel {
             dev,
+            slots,
             host: model,
             layers,
             output_norm,
@@ -365,6 +383,11 @@ impl GpuModel {
     /// The device the weights live on.
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
+    }
+
+    /// Whether a memory plan streams some of the weights.
+    fn streams(&self) -> bool {
+        self.host.plan().is_some_and(|p| p.streams())
     }
 
     /// Bytes of device memory the weights take.
@@ -427,7 +450,7 @@ impl GpuSession {
             att: Buffer::zeros(d, "att", c.q_dim())?,
             proj: Buffer::zeros(d, "proj", c.d_model)?,
             h: Buffer::zeros(d, "h", c.n_ff)?,
-            up: Buffer::zeros(d, "up", if model.staging_bytes > 0 { c.n_ff } else { 0 })?,
+            up: Buffer::zeros(d, "up", if model.streams() { c.n_ff } else { 0 })?,
             staging: Buffer::zeros(d, "staging", model.staging_bytes)?,
             logits: Buffer::zeros(d, "logits", c.vocab_size)?,
             best: Buffer::zeros(d, "argmax", 1)?,
@@ -564,36 +587,74 @@ impl GpuSession {
                 .host
                 .for_each_head_piece(HeadSpan::Streamed, &mut |piece| {
                     let staged = self.stage(dev, &[&piece.m])?;
-                    staged[0].apply(dev, xn, Addr::NULL, logits.at(piece.rows.start))
+                    staged[0].apply(
+                        dev,
+                        xn,
+                        Addr::NULL,
+                        logits.span(piece.rows.start, piece.rows.len()),
+                    )?;
+                    self.release(dev)
                 })?;
         }
         self.pos += 1;
         Ok(())
     }
 
-    /// Copies `matrices` (views of a weight-stream slot) into the staging buffer, each from a
-    /// 16-byte boundary, once the kernels queued before have run.
+    /// Where the kernels read `matrices` (views of a weight-stream slot): in place where the
+    /// slot is mapped, else copied into the staging buffer, each from a 16-byte boundary, once
+    /// the kernels queued before have run.
     fn stage(&self, dev: &dyn Device, matrices: &[&QRows]) -> Result<Vec<DeviceRows>> {
         let mut at = 0;
         let mut staged = Vec::with_capacity(matrices.len());
         for m in matrices {
             let bytes = m.backing().as_slice();
-            if m.is_grouped() || m.tiled_rows() > 0 || bytes.len() != m.stored_bytes() {
+            if m.is_grouped()
+                || m.tiled_rows() > 0
+                || bytes.is_empty()
+                || bytes.len() != m.stored_bytes()
+            {
                 return Err(Error::Cuda(format!(
                     "a streamed {:?} piece of {} rows is not rows back to back",
                     m.dtype, m.rows
                 )));
             }
-            self.staging.write_at(dev, at, bytes)?;
+            let addr = match self.in_place(bytes) {
+                Some(a) => a,
+                None => {
+                    self.staging.write_at(dev, at, bytes)?;
+                    let a = self.staging.at(at);
+                    at = (at + bytes.len()).next_multiple_of(16);
+                    a
+                }
+            };
             staged.push(DeviceRows {
-                at: self.staging.at(at),
+                at: addr,
                 dtype: m.dtype,
                 rows: m.rows,
                 cols: m.cols,
             });
-            at = (at + bytes.len()).next_multiple_of(16);
         }
         Ok(staged)
+    }
+
+    /// The device address of `bytes` where one mapped slot holds all of them.
+    fn in_place(&self, bytes: &[u8]) -> Option<Addr> {
+        let last = bytes.last()?;
+        self.model.slots.iter().find_map(|s| {
+            let first = s.device_addr(bytes.as_ptr())?;
+            s.device_addr(last).map(|_| first)
+        })
+    }
+
+    /// Before a slot goes back to the weight stream (to be read into again): waits for the
+    /// kernels that read it in place. Nothing to wait for when pieces are staged: each copy
+    /// waited for the kernels queued before it.
+    fn release(&self, dev: &dyn Device) -> Result<()> {
+        if self.model.slots.is_empty() {
+            Ok(())
+        } else {
+            dev.sync()
+        }
     }
 
     /// Calls `f` for each of layer `l`'s pieces of `parts` in compute order, its matrices
@@ -615,6 +676,10 @@ impl GpuSession {
                 if let Err(e) = self.stage(dev, &matrices).and_then(|w| f(v, &w)) {
                     failed = Some(e);
                 }
+            }
+            // The unit's lease ends when the next unit is asked for, after this returns.
+            if let Err(e) = self.release(dev) {
+                failed.get_or_insert(e);
             }
         })?;
         failed.map_or(Ok(()), Err)
@@ -642,16 +707,24 @@ impl GpuSession {
             }
             // SAFETY: see the LayerSteps impl; neurons `r` of `h` and `up` are the piece's.
             unsafe {
-                w[0].apply(dev, xn, Addr::NULL, h.at(r.start))?;
-                w[1].apply(dev, xn, Addr::NULL, up.at(r.start))?;
-                dev.gate(activation, h.at(r.start), up.at(r.start), r.len())
+                let (h, up) = (h.span(r.start, r.len()), up.span(r.start, r.len()));
+                w[0].apply(dev, xn, Addr::NULL, h)?;
+                w[1].apply(dev, xn, Addr::NULL, up)?;
+                dev.gate(activation, h, up, r.len())
             }
         })?;
         let proj = &self.proj;
         self.each_streamed(l, &[Part::Down], &mut |v, w| {
             // SAFETY: see the LayerSteps impl; the piece's rows are outputs `rows` of W_down,
             // each over all n_ff activations.
-            unsafe { w[0].apply(dev, h.addr(), Addr::NULL, proj.at(v.rows.start)) }
+            unsafe {
+                w[0].apply(
+                    dev,
+                    h.addr(),
+                    Addr::NULL,
+                    proj.span(v.rows.start, v.rows.len()),
+                )
+            }
         })
     }
 }
@@ -695,16 +768,16 @@ impl LayerSteps for GpuSession {
         // K and V go straight to the caches at this position.
         let Some(p) = &layer.projections else {
             return self.each_streamed(l, &[Part::Q, Part::K, Part::V], &mut |v, w| {
+                let (r, n) = (v.rows.start, v.rows.len());
                 let (y, bias) = match v.part {
-                    Part::Q => (self.q.addr(), &layer.bq),
-                    Part::K => (k_slot, &layer.bk),
-                    _ => (v_slot, &layer.bv),
+                    Part::Q => (self.q.span(r, n), &layer.bq),
+                    Part::K => (self.key_cache.span(at + r, n), &layer.bk),
+                    _ => (self.value_cache.span(at + r, n), &layer.bv),
                 };
-                let r = v.rows.start;
-                let bias = bias.as_ref().map_or(Addr::NULL, |b| b.at(r));
+                let bias = bias.as_ref().map_or(Addr::NULL, |b| b.span(r, n));
                 // SAFETY: see the impl; the piece's rows `r..` of the projection write its
                 // outputs `r..` (of a bias too).
-                unsafe { w[0].apply(dev, xn, bias, y.offset::<f32>(r)) }
+                unsafe { w[0].apply(dev, xn, bias, y) }
             });
         };
         for (m, b, y) in [
@@ -764,7 +837,7 @@ impl LayerSteps for GpuSession {
         let (dev, att) = (&*self.model.dev, self.att.addr());
         let Some(p) = &self.model.layers[l].projections else {
             return self.each_streamed(l, &[Part::O], &mut |v, w| {
-                let y = self.proj.at(v.rows.start);
+                let y = self.proj.span(v.rows.start, v.rows.len());
                 // SAFETY: see the impl; the piece's rows are rows of W_o.
                 unsafe { w[0].apply(dev, att, Addr::NULL, y) }
             });

@@ -133,9 +133,6 @@ pub fn gpu_pass_equals_cpu_on_a_gemma3_shaped_model(dev: Arc<dyn Device>) {
     check_gpu(&dev, model, &want, "Gemma-3-270M-shaped");
 }
 
-/// A predicate on the placement a plan chose.
-type Shape<'a> = Box<dyn Fn(&Plan) -> bool + 'a>;
-
 /// The smallest budget whose plan `wanted` accepts, scanning up from the floor in pages.
 fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
     let floor = Floor::of(model, CONTEXT, KvType::default());
@@ -151,10 +148,37 @@ fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
     }
 }
 
-/// A Gemma-3-shaped model deep enough to plan (6 layers, f32) under budgets that stream the
-/// layers and part of the head, and some of the layers: the pieces go through the weight
-/// stream and the session's staging buffer, and the logits stay the whole model's.
-pub fn gpu_pass_runs_memory_plans(dev: Arc<dyn Device>) {
+/// Which memory plan [`gpu_pass_runs_a_memory_plan`] loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanShape {
+    /// Every layer and all but the head's first rows streamed.
+    EveryLayerStreamed,
+    /// Some layers resident (uploaded), the others streamed (the planner keeps the head first).
+    SomeLayersResident,
+}
+
+impl PlanShape {
+    pub const ALL: [PlanShape; 2] = [PlanShape::EveryLayerStreamed, PlanShape::SomeLayersResident];
+
+    fn accepts(self, p: &Plan, n_layers: usize) -> bool {
+        let streamed = p
+            .layers
+            .iter()
+            .filter(|l| **l == Placement::Streamed)
+            .count();
+        let head = p.head == Placement::Streamed && p.head_resident_rows > 0;
+        match self {
+            PlanShape::EveryLayerStreamed => head && streamed == n_layers,
+            PlanShape::SomeLayersResident => (1..n_layers).contains(&streamed),
+        }
+    }
+}
+
+/// A Gemma-3-shaped model deep enough to plan (6 layers, f32, cut in pieces of a few rows)
+/// under the smallest budget that gives `shape`: the streamed pieces go through the weight
+/// stream (read in place where the device maps host memory, staged where it does not), and the
+/// logits stay the whole model's.
+pub fn gpu_pass_runs_a_memory_plan(dev: Arc<dyn Device>, shape: PlanShape) {
     let dir = ScratchDir::new();
     let path = dir.0.join("tiny.gguf");
     TinyLlama::with_layers(9, TinyArch::Gemma3, 6)
@@ -162,34 +186,12 @@ pub fn gpu_pass_runs_memory_plans(dev: Arc<dyn Device>) {
         .expect("write");
     let full = Model::load_in_pieces(&path, PIECE_BYTES).expect("load");
     let want = cpu_logits(&full);
-    let streamed = |p: &Plan| {
-        p.layers
-            .iter()
-            .filter(|l| **l == Placement::Streamed)
-            .count()
-    };
     let n = full.weights.layers.len();
-    let shapes: [(&str, Shape<'_>); 2] = [
-        (
-            "the head's first rows resident, the rest and every layer streamed",
-            Box::new(|p| {
-                p.head == Placement::Streamed && p.head_resident_rows > 0 && streamed(p) == n
-            }),
-        ),
-        (
-            "some layers resident",
-            Box::new(|p| (1..n).contains(&streamed(p))),
-        ),
-    ];
-    for (what, shape) in shapes {
-        let budget = budget_for(&full, &shape);
-        let planned =
-            Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), PIECE_BYTES)
-                .expect("plan");
-        assert!(
-            shape(planned.plan().expect("a plan")),
-            "{what}: the plan's shape"
-        );
-        check_gpu(&dev, planned, &want, what);
-    }
+    let budget = budget_for(&full, |p| shape.accepts(p, n));
+    let planned =
+        Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), PIECE_BYTES)
+            .expect("plan");
+    let plan = planned.plan().expect("a plan");
+    assert!(shape.accepts(plan, n), "{shape:?}: the plan's shape");
+    check_gpu(&dev, planned, &want, &format!("{shape:?}"));
 }

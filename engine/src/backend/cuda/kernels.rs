@@ -11,9 +11,9 @@ use cust::memory::DeviceBuffer;
 use cust::prelude::*;
 use cust::sys;
 
-use super::memory::check;
+use super::memory::{HostRegistration, check};
 use super::{CudaBackend, cuda};
-use crate::backend::device::{Addr, Allocation, Device, Gathered};
+use crate::backend::device::{Addr, Allocation, Device, Gathered, HostMapping};
 use crate::backend::launch::{self, Launch, dtype_code, int};
 use crate::backend::ops::AttentionShape;
 use crate::model::lsm::ChunkLayout;
@@ -29,6 +29,12 @@ fn shape(l: Launch) -> (GridSize, BlockSize, u32) {
 impl Allocation for DeviceBuffer<u8> {
     fn addr(&self) -> Addr {
         Addr(self.as_device_ptr().as_raw())
+    }
+}
+
+impl HostMapping for HostRegistration {
+    fn device_addr(&self, host: *const u8) -> Option<Addr> {
+        self.device_ptr(host).map(|p| Addr(p.as_raw()))
     }
 }
 
@@ -73,6 +79,16 @@ impl Device for CudaBackend {
 
     fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(cuda("synchronising"))
+    }
+
+    unsafe fn map_host(&self, host: *mut u8, len: usize) -> Result<Option<Box<dyn HostMapping>>> {
+        if !self.integrated {
+            return Ok(None);
+        }
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        let r = unsafe { HostRegistration::new(host, len)? };
+        Ok(Some(Box::new(r)))
     }
 
     unsafe fn rmsnorm(

@@ -52,6 +52,8 @@ pub struct HostRegistration {
 // SAFETY: the registration is process-wide (PORTABLE) and the struct only hands out addresses;
 // whoever owns the registered memory keeps its own aliasing rules.
 unsafe impl Send for HostRegistration {}
+// SAFETY: as above: shared, it hands out addresses only.
+unsafe impl Sync for HostRegistration {}
 
 impl HostRegistration {
     /// Registers `len` bytes at `host`.
