@@ -1,5 +1,5 @@
 //! [`Decode`]: one conversation's forward passes, whatever computes them. The CPU [`Session`]
-//! implements it here, the GPU's `GpuSession` in `forward/gpu.rs`, and the sparse pipelines wrap
+//! implements it here, the GPU's `GpuSession` in `forward/gpu/`, and the sparse pipelines wrap
 //! either (`pipeline::WithFfn`); the generation loop (`crate::generate`) drives any of them.
 
 use super::{FfnExecutor, Session};

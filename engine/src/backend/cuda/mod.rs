@@ -9,7 +9,7 @@
 //!   cache registered with the driver.
 //!
 //! The forward pass that runs a whole model on a GPU (`GpuModel`, `GpuSession`) is the forward
-//! layer's (`forward/gpu.rs`), written against `Device`: this module knows kernels and memory,
+//! layer's (`forward/gpu/`), written against `Device`: this module knows kernels and memory,
 //! not models.
 
 mod chunks;
