@@ -67,6 +67,7 @@ fn memory_plans_that_stream_run_on_the_gpu() {
     for shape in leanstream_engine::testing::gpu::PlanShape::ALL {
         leanstream_engine::testing::gpu::gpu_pass_runs_a_memory_plan(g.clone(), shape);
     }
+    leanstream_engine::testing::gpu::gpu_pass_runs_a_memory_plan_of_an_lsm(g);
 }
 
 /// The oracles' model: `$LEANSTREAM_CUDA_ORACLE_LSM`, else the real model as `.lsm`.

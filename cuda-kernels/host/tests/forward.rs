@@ -29,6 +29,14 @@ fn the_gpu_pass_on_the_host_kernels_runs_a_plan_that_streams_every_layer_staging
     gpu::gpu_pass_runs_a_memory_plan(dev, gpu::PlanShape::EveryLayerStreamed);
 }
 
+/// A `.lsm` file's neuron bundles streamed, read in place and staged.
+#[test]
+fn the_gpu_pass_on_the_host_kernels_runs_a_plan_that_streams_lsm_bundles() {
+    for dev in [HostKernels::INTEGRATED, HostKernels::DISCRETE] {
+        gpu::gpu_pass_runs_a_memory_plan_of_an_lsm(Arc::new(dev));
+    }
+}
+
 /// Gemma-3-270M's layer shapes on the host kernels: minutes here (tens of thousands of blocks,
 /// each a barrier of host threads), so only on request:
 /// `cargo test -p leanstream-cuda-host --test forward -- --ignored`. The GPU check runs it on

@@ -19,6 +19,7 @@ use crate::backend::device::Device;
 use crate::forward::{GpuModel, GpuSession, Model, Session};
 use crate::kv::KvType;
 use crate::model::gguf::{TinyArch, TinyLlama, TinyShape};
+use crate::model::lsm;
 use crate::plan::{Floor, Placement, Plan};
 use crate::quant::DType;
 use crate::sample::argmax;
@@ -194,4 +195,38 @@ pub fn gpu_pass_runs_a_memory_plan(dev: Arc<dyn Device>, shape: PlanShape) {
     let plan = planned.plan().expect("a plan");
     assert!(shape.accepts(plan, n), "{shape:?}: the plan's shape");
     check_gpu(&dev, planned, &want, &format!("{shape:?}"));
+}
+
+/// Pieces of several 16-neuron chunks of the `.lsm` below (four, 64 neurons): a piece's chunks
+/// lie one after another in its slot.
+const LSM_PIECE_BYTES: usize = 40 << 10;
+
+/// A Llama-flavoured model as a `.lsm` file (chunks of 16 neurons), every layer streamed: the
+/// pieces are neuron bundles, which the gathered FFN kernels compute chunk by chunk where they
+/// lie.
+pub fn gpu_pass_runs_a_memory_plan_of_an_lsm(dev: Arc<dyn Device>) {
+    let dir = ScratchDir::new();
+    let (gguf, path) = (dir.0.join("tiny.gguf"), dir.0.join("tiny.lsm"));
+    TinyLlama::with_layers(9, TinyArch::Llama, 6)
+        .write_gguf(&gguf, DType::F32)
+        .expect("write");
+    let m = crate::model::load_imported(&gguf).expect("import");
+    let opts = lsm::ConvertOptions {
+        chunk_neurons: Some(16),
+        ..Default::default()
+    };
+    lsm::convert(&m, &path, &opts, &mut |_, _| {}).expect("convert");
+    let full = Model::load_in_pieces(&path, LSM_PIECE_BYTES).expect("load");
+    let want = cpu_logits(&full);
+    let n = full.weights.layers.len();
+    let every = |p: &Plan| p.layers.iter().all(|l| *l == Placement::Streamed);
+    let budget = budget_for(&full, every);
+    let planned =
+        Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), LSM_PIECE_BYTES)
+            .expect("plan");
+    assert!(
+        every(planned.plan().expect("a plan")),
+        "every one of {n} layers streamed"
+    );
+    check_gpu(&dev, planned, &want, ".lsm, every layer streamed");
 }

@@ -254,13 +254,6 @@ impl GpuModel {
                 )));
             }
             let resident = model.layer_resident(l);
-            if !resident && matches!(lw.ffn.down, Down::Neurons(_)) {
-                return Err(Error::unsupported(
-                    &model.path,
-                    "a plan that streams a .lsm layer's neuron bundles runs on the CPU \
-                     (--backend cpu), or give the GPU the whole layer",
-                ));
-            }
             let ffn = if with_ffn && resident {
                 Some(upload_ffn(d, &lw.ffn, &ffn_layout)?)
             } else {

@@ -10,6 +10,7 @@ use crate::forward::layer::{self, Block, LayerSteps};
 use crate::forward::pass::never;
 use crate::forward::planned::{HeadSpan, PieceView};
 use crate::forward::{Decode, FfnExecutor, check_tokens};
+use crate::model::lsm::ChunkLayout;
 use crate::model::{FfnActivation, ModelConfig, QRows};
 use crate::plan::Part;
 use crate::{Error, Result};
@@ -29,6 +30,8 @@ pub struct GpuSession {
     h: Buffer<f32>,           // (n_ff)
     up: Buffer<f32>,          // (n_ff) a streamed FFN's up rows
     staging: Buffer<u8>,      // (staging_bytes) streamed pieces
+    chunk_ptrs: Buffer<u64>,  // (n_ff) a streamed .lsm piece's chunk addresses
+    chunk_index: Buffer<u32>, // (n_ff) and their indices
     logits: Buffer<f32>,      // (vocab)
     best: Buffer<u32>,        // (1)
     host_x: Vec<f32>,         // (d_model) embedding out, residual back (streaming)
@@ -59,6 +62,8 @@ impl GpuSession {
         }
         let d: &dyn Device = &*model.dev;
         let kv = c.n_layers * max_context * c.kv_dim();
+        // Room for a streamed FFN's up rows and a .lsm piece's chunk list.
+        let streamed_ff = if model.streams() { c.n_ff } else { 0 };
         Ok(GpuSession {
             key_cache: Buffer::zeros(d, "key cache", kv)?,
             value_cache: Buffer::zeros(d, "value cache", kv)?,
@@ -68,8 +73,10 @@ impl GpuSession {
             att: Buffer::zeros(d, "att", c.q_dim())?,
             proj: Buffer::zeros(d, "proj", c.d_model)?,
             h: Buffer::zeros(d, "h", c.n_ff)?,
-            up: Buffer::zeros(d, "up", if model.streams() { c.n_ff } else { 0 })?,
+            up: Buffer::zeros(d, "up", streamed_ff)?,
             staging: Buffer::zeros(d, "staging", model.staging_bytes)?,
+            chunk_ptrs: Buffer::zeros(d, "chunk pointers", streamed_ff)?,
+            chunk_index: Buffer::zeros(d, "chunk indices", streamed_ff)?,
             logits: Buffer::zeros(d, "logits", c.vocab_size)?,
             best: Buffer::zeros(d, "argmax", 1)?,
             host_x: vec![0.0; c.d_model],
@@ -107,6 +114,8 @@ impl GpuSession {
         .sum::<usize>()
             + self.best.bytes()
             + self.staging.bytes()
+            + self.chunk_ptrs.bytes()
+            + self.chunk_index.bytes()
     }
 
     /// Bytes this session holds on the host (its staging buffers, from their capacities).
@@ -290,7 +299,11 @@ impl GpuSession {
                 if failed.is_some() {
                     return;
                 }
-                let matrices: Vec<&QRows> = v.m.iter().collect();
+                // A `.lsm` piece's bundles are staged whole by its callback.
+                let matrices: Vec<&QRows> = match v.part {
+                    Part::Neurons => Vec::new(),
+                    _ => v.m.iter().collect(),
+                };
                 if let Err(e) = self.stage(dev, &matrices).and_then(|w| f(v, &w)) {
                     failed = Some(e);
                 }
@@ -311,17 +324,17 @@ impl GpuSession {
 
 impl GpuSession {
     /// The FFN of a layer the weight stream brings: each piece's gate and up rows and the
-    /// activation into `h`, then the down rows' outputs into `proj` (the CPU's order).
+    /// activation into `h`, then the down rows' outputs into `proj` (the CPU's order); or, for a
+    /// `.lsm` layer, each piece's neuron bundles through the gathered kernels, their down sums
+    /// added into `proj`.
     fn streamed_ffn(&mut self, l: usize, activation: FfnActivation) -> Result<()> {
         let dev = &*self.model.dev;
         let (xn, h, up) = (self.xn.addr(), &self.h, &self.up);
+        self.proj.clear(dev)?;
         self.each_streamed(l, &[Part::GateUp, Part::Neurons], &mut |v, w| {
             let r = v.rows.clone();
-            if v.part != Part::GateUp {
-                return Err(Error::Cuda(format!(
-                    "layer {l}: {:?} pieces stream on the CPU only",
-                    v.part
-                )));
+            if v.part == Part::Neurons {
+                return self.neuron_piece(dev, v, activation);
             }
             // SAFETY: see the LayerSteps impl; neurons `r` of `h` and `up` are the piece's.
             unsafe {
@@ -344,6 +357,63 @@ impl GpuSession {
                 )
             }
         })
+    }
+}
+
+impl GpuSession {
+    /// A piece of a `.lsm` layer's neuron bundles (gate row, up row, down column per neuron,
+    /// chunk after chunk, as the file stores them): the gathered FFN kernels over its chunks,
+    /// their activations into `h` and down sums added to `proj`.
+    fn neuron_piece(&self, dev: &dyn Device, v: &PieceView, act: FfnActivation) -> Result<()> {
+        let c = self.config();
+        let [g, u, down] = [&v.m[0], &v.m[1], &v.m[2]];
+        let cn = g.group_rows();
+        let refuse = |why: &str| {
+            Error::Cuda(format!(
+                "neuron piece {:?} of {cn}-neuron chunks: {why}",
+                v.rows
+            ))
+        };
+        let layout = ChunkLayout::one_layer(c.n_ff, c.d_model, cn, [g.dtype, u.dtype, down.dtype])
+            .ok_or_else(|| refuse("no chunk layout for these types"))?;
+        let base = g.row(0).as_ptr();
+        let off = |row: &[u8]| row.as_ptr() as usize - base as usize;
+        let laid_out = off(u.row(0)) == layout.up_at
+            && off(down.row(0)) == layout.down_at
+            && (g.rows < 2 || off(g.row(1)) == layout.bundle_bytes)
+            && (g.rows <= cn || off(g.row(cn)) == layout.chunk_bytes)
+            && v.rows.start.is_multiple_of(cn)
+            && (v.rows.end.is_multiple_of(cn) || v.rows.end == c.n_ff);
+        if !laid_out {
+            return Err(refuse("not whole chunks laid out as the .lsm stores them"));
+        }
+        let last = down.row(down.rows - 1);
+        // SAFETY: the three matrices view one slot (or the file image) holding the piece's
+        // bundles back to back from its first gate row to its last down column.
+        let region = unsafe { std::slice::from_raw_parts(base, off(last) + last.len()) };
+        let at = match self.in_place(region) {
+            Some(a) => a,
+            None => {
+                self.staging.write_at(dev, 0, region)?;
+                self.staging.addr()
+            }
+        };
+        let (first, n) = (v.rows.start / cn, v.rows.len().div_ceil(cn));
+        let ptrs: Vec<u64> = (0..n)
+            .map(|j| at.offset::<u8>(j * layout.chunk_bytes).0)
+            .collect();
+        let index: Vec<u32> = (first..first + n).map(|c| c as u32).collect();
+        self.chunk_ptrs.write(dev, &ptrs)?;
+        self.chunk_index.write(dev, &index)?;
+        let chunks = Gathered {
+            ptrs: self.chunk_ptrs.addr(),
+            index: self.chunk_index.addr(),
+            n,
+        };
+        let (xn, h, proj) = (self.xn.addr(), self.h.addr(), self.proj.addr());
+        // SAFETY: see the LayerSteps impl; the listed chunks are the piece's, laid out as
+        // `layout` (checked above), in place or staged, and `h` holds n_ff values.
+        unsafe { dev.ffn_gathered(&layout, chunks, act, 0.0, xn, h, proj, Addr::NULL) }
     }
 }
 
