@@ -7,9 +7,16 @@
 //! each step applies where the layer has it.
 
 use super::FfnExecutor;
-use super::pass::Stop;
 use crate::Result;
 use crate::model::{FfnActivation, ModelConfig};
+
+/// Asked before each layer of a pass: true to give the pass up there.
+pub(super) type Stop<'s> = &'s (dyn Fn() -> bool + Sync);
+
+/// A [`Stop`] for passes that always run to the end.
+pub(super) fn never() -> bool {
+    false
+}
 
 /// A layer's two sub-blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use super::layer::{self, Block, LayerSteps};
+use super::layer::{self, Block, LayerSteps, Stop};
 use super::planned::{HeadSpan, LayerPieces, PieceView};
 use super::scratch::Work;
 use super::{DOWN_PRECISION, FfnExecutor, MAX_BATCH, Model, finish_qkv, norm_rows};
@@ -18,14 +18,6 @@ use crate::backend::cpu::{self, Disjoint, Kernels, Precision, Prepared, TOKEN_GR
 use crate::kv::KvCache;
 use crate::model::{FfnActivation, QRows};
 use crate::plan::Part;
-
-/// Asked before each layer of a pass: true to give the pass up there.
-pub(super) type Stop<'s> = &'s (dyn Fn() -> bool + Sync);
-
-/// A [`Stop`] for passes that always run to the end.
-pub(super) fn never() -> bool {
-    false
-}
 
 /// What a pass needs of one conversation.
 pub(super) struct Seat<'a> {
