@@ -141,3 +141,24 @@ pub fn exact_options(
         verify_chunks: true,
     }
 }
+
+/// The smallest budget whose plan for `model` with sessions of `context` tokens `wanted`
+/// accepts, scanning up from the floor in pages: a test's way to get a plan of a given shape.
+pub fn budget_for(
+    model: &crate::forward::Model,
+    context: usize,
+    wanted: impl Fn(&crate::plan::Plan) -> bool,
+) -> u64 {
+    use crate::plan::{Floor, Plan};
+    let floor = Floor::of(model, context, crate::kv::KvType::default());
+    let mut b = floor.total();
+    loop {
+        if let Ok(p) = Plan::in_pieces(&model.weights, b, floor, model.piece_bytes)
+            && wanted(&p)
+        {
+            return b;
+        }
+        b += 4096;
+        assert!(b < floor.total() + (64 << 20), "no budget gives that plan");
+    }
+}

@@ -14,7 +14,7 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 
 use super::ops::{
-    AttentionShape, FfnChunks, FfnOutput, KernelOps, Matrix, check_ffn, check_heads, check_rows,
+    AttentionShape, FfnChunks, FfnOutput, KernelOps, Matrix, check_ffn, check_rope, check_rows,
     check_top_k, expect_len, invalid,
 };
 use crate::Result;
@@ -391,8 +391,7 @@ impl<D: Device> KernelOps for D {
         inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Vec<f32>> {
-        let heads = check_heads(x, head_dim)?;
-        expect_len("inv_freq", inv_freq, head_dim / 2)?;
+        let heads = check_rope(x, head_dim, inv_freq)?;
         let (dx, df) = (
             Buffer::upload(self, "x", x)?,
             Buffer::upload(self, "inv_freq", inv_freq)?,

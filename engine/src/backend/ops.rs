@@ -190,14 +190,16 @@ pub fn check_rows(x: &[f32], weight: &[f32]) -> Result<usize> {
     Ok(x.len() / n)
 }
 
-/// Checks a RoPE call: an even `head_dim` and whole heads. Returns the head count.
-pub fn check_heads(x: &[f32], head_dim: usize) -> Result<usize> {
+/// Checks a RoPE call: an even `head_dim`, whole heads and a frequency per pair. Returns the
+/// head count.
+pub fn check_rope(x: &[f32], head_dim: usize, inv_freq: &[f32]) -> Result<usize> {
     if head_dim == 0 || !head_dim.is_multiple_of(2) || !x.len().is_multiple_of(head_dim) {
         return Err(invalid(
             "head_dim",
             format!("{head_dim} for {} values", x.len()),
         ));
     }
+    expect_len("inv_freq", inv_freq, head_dim / 2)?;
     Ok(x.len() / head_dim)
 }
 
@@ -276,8 +278,7 @@ impl KernelOps for CpuOps {
         inv_freq: &[f32],
         style: RopeStyle,
     ) -> Result<Vec<f32>> {
-        check_heads(x, head_dim)?;
-        expect_len("inv_freq", inv_freq, head_dim / 2)?;
+        check_rope(x, head_dim, inv_freq)?;
         let mut out = x.to_vec();
         cpu::rope(&mut out, head_dim, &rope_table(inv_freq, pos), style);
         Ok(out)

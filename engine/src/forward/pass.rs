@@ -165,17 +165,8 @@ impl LayerSteps for Pass<'_> {
     fn qkv(&mut self, _l: usize) -> Result<()> {
         let c = &self.model.weights.config;
         let (d, kv_dim, q_dim, n) = (c.d_model, c.kv_dim(), c.q_dim(), self.rows.len());
-        let Pass {
-            kernels: k,
-            precision,
-            work: s,
-            pieces,
-            ..
-        } = self;
-        let pieces = pieces
-            .as_mut()
-            .expect("a layer's steps run after begin_layer");
-        let x = k.prepare(&s.xn[..n * d], *precision, &mut s.acts);
+        let (k, precision, s, pieces) = self.apart();
+        let x = k.prepare(&s.xn[..n * d], precision, &mut s.acts);
         let (q, kk, v) = (
             &mut s.q[..n * q_dim],
             &mut s.k[..n * kv_dim],
@@ -274,17 +265,8 @@ impl LayerSteps for Pass<'_> {
     fn project_out(&mut self, _l: usize) -> Result<()> {
         let c = &self.model.weights.config;
         let (d, q_dim, n) = (c.d_model, c.q_dim(), self.rows.len());
-        let Pass {
-            kernels: k,
-            precision,
-            work: s,
-            pieces,
-            ..
-        } = self;
-        let pieces = pieces
-            .as_mut()
-            .expect("a layer's steps run after begin_layer");
-        let x = k.prepare(&s.att[..n * q_dim], *precision, &mut s.acts);
+        let (k, precision, s, pieces) = self.apart();
+        let x = k.prepare(&s.att[..n * q_dim], precision, &mut s.acts);
         let proj = &mut s.proj[..n * d];
         pieces.each(&[Part::O], &mut |views| {
             k.matmat_jobs(x, n, pieces_into(views, Part::O, &mut *proj, d));
@@ -321,7 +303,15 @@ impl LayerSteps for Pass<'_> {
     }
 }
 
-impl Pass<'_> {
+impl<'a> Pass<'a> {
+    /// The kernels, the precision, the workspace and the layer's pieces, borrowed apart (a step
+    /// computes from the pieces into the workspace).
+    fn apart(&mut self) -> (&'static Kernels, Precision, &mut Work, &mut LayerPieces<'a>) {
+        let pieces = self.pieces.as_mut();
+        let pieces = pieces.expect("a layer's steps run after begin_layer");
+        (self.kernels, self.precision, self.work, pieces)
+    }
+
     /// The FFN of the batch's normed rows from the model's weights, piece by piece: gate and up
     /// rows of a range of neurons (the activation applied in place), then the down rows; or,
     /// for a `.lsm` layer, each range of neurons' gate, up and down together, the ranges' down
@@ -329,17 +319,7 @@ impl Pass<'_> {
     fn dense_ffn(&mut self, activation: FfnActivation) -> Result<()> {
         let c = &self.model.weights.config;
         let (d, n_ff, n) = (c.d_model, c.n_ff, self.rows.len());
-        let Pass {
-            kernels: k,
-            precision: p,
-            work: s,
-            pieces,
-            ..
-        } = self;
-        let (k, p) = (*k, *p);
-        let pieces = pieces
-            .as_mut()
-            .expect("a layer's steps run after begin_layer");
+        let (k, p, s, pieces) = self.apart();
         let x = k.prepare(&s.xn[..n * d], p, &mut s.acts);
         let (gate, up) = (&mut s.gate[..n * n_ff], &mut s.up[..n * n_ff]);
         let (proj, partials) = (&mut s.proj[..n * d], &mut s.partials);

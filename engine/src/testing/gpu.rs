@@ -20,7 +20,7 @@ use crate::forward::{GpuModel, GpuSession, Model, Session};
 use crate::kv::KvType;
 use crate::model::gguf::{TinyArch, TinyLlama, TinyShape};
 use crate::model::lsm;
-use crate::plan::{Floor, Placement, Plan};
+use crate::plan::{Placement, Plan};
 use crate::quant::DType;
 use crate::sample::argmax;
 
@@ -134,21 +134,6 @@ pub fn gpu_pass_equals_cpu_on_a_gemma3_shaped_model(dev: Arc<dyn Device>) {
     check_gpu(&dev, model, &want, "Gemma-3-270M-shaped");
 }
 
-/// The smallest budget whose plan `wanted` accepts, scanning up from the floor in pages.
-fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
-    let floor = Floor::of(model, CONTEXT, KvType::default());
-    let mut b = floor.total();
-    loop {
-        if let Ok(p) = Plan::in_pieces(&model.weights, b, floor, model.piece_bytes)
-            && wanted(&p)
-        {
-            return b;
-        }
-        b += 4096;
-        assert!(b < floor.total() + (64 << 20), "no budget gives that plan");
-    }
-}
-
 /// Which memory plan [`gpu_pass_runs_a_memory_plan`] loads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlanShape {
@@ -188,7 +173,7 @@ pub fn gpu_pass_runs_a_memory_plan(dev: Arc<dyn Device>, shape: PlanShape) {
     let full = Model::load_in_pieces(&path, PIECE_BYTES).expect("load");
     let want = cpu_logits(&full);
     let n = full.weights.layers.len();
-    let budget = budget_for(&full, |p| shape.accepts(p, n));
+    let budget = super::budget_for(&full, CONTEXT, |p| shape.accepts(p, n));
     let planned =
         Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), PIECE_BYTES)
             .expect("plan");
@@ -220,7 +205,7 @@ pub fn gpu_pass_runs_a_memory_plan_of_an_lsm(dev: Arc<dyn Device>) {
     let want = cpu_logits(&full);
     let n = full.weights.layers.len();
     let every = |p: &Plan| p.layers.iter().all(|l| *l == Placement::Streamed);
-    let budget = budget_for(&full, every);
+    let budget = super::budget_for(&full, CONTEXT, every);
     let planned =
         Model::load_within_in_pieces(&path, budget, CONTEXT, KvType::default(), LSM_PIECE_BYTES)
             .expect("plan");

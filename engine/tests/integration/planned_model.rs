@@ -14,6 +14,7 @@ use leanstream_engine::model::gguf::{TinyArch, TinyLlama};
 use leanstream_engine::model::lsm;
 use leanstream_engine::plan::{Floor, PIECE_BYTES, Part, Placement, Plan, pieces};
 use leanstream_engine::quant::DType;
+use leanstream_engine::testing::budget_for;
 
 /// Room for a prompt longer than one batch.
 const CONTEXT: usize = 2 * MAX_BATCH;
@@ -51,22 +52,6 @@ fn logits(model: &Arc<Model>) -> (Vec<Vec<f32>>, Vec<f32>) {
         .collect();
     let mut s = session(model);
     (one, s.forward_batch(&long).unwrap().to_vec())
-}
-
-/// The smallest budget whose plan puts the head and the layers as `wanted` says, scanning up
-/// from the floor in pages.
-fn budget_for(model: &Model, wanted: impl Fn(&Plan) -> bool) -> u64 {
-    let floor = Floor::of(model, CONTEXT, KvType::default());
-    let mut b = floor.total();
-    loop {
-        if let Ok(p) = Plan::in_pieces(&model.weights, b, floor, model.piece_bytes)
-            && wanted(&p)
-        {
-            return b;
-        }
-        b += 4096;
-        assert!(b < floor.total() + (64 << 20), "no budget gives that plan");
-    }
 }
 
 /// A predicate on the placement a plan chose.
@@ -117,7 +102,7 @@ fn check_file(path: &Path, piece_bytes: usize) {
         ("everything resident", Box::new(|p| !p.streams())),
     ];
     for (what, shape) in shapes {
-        let budget = budget_for(&full, &shape);
+        let budget = budget_for(&full, CONTEXT, &shape);
         let planned =
             Model::load_within_in_pieces(path, budget, CONTEXT, KvType::default(), piece_bytes)
                 .unwrap();
@@ -202,7 +187,7 @@ fn a_prompt_of_two_batches_with_a_streamed_head_realigns_the_stream() {
     let dir = tempfile::tempdir().unwrap();
     let (gguf, _) = tiny(5, dir.path());
     let full = Model::load(&gguf).unwrap();
-    let budget = budget_for(&full, |p| p.head == Placement::Streamed);
+    let budget = budget_for(&full, CONTEXT, |p| p.head == Placement::Streamed);
     let planned = Model::load_within(&gguf, budget, CONTEXT, KvType::default()).unwrap();
     let long: Vec<u32> = (0..MAX_BATCH as u32 + 1).collect();
     let want = session(&full).forward_batch(&long).unwrap().to_vec();
@@ -226,7 +211,7 @@ fn a_streamed_file_cut_short_fails_the_forward_pass_instead_of_computing() {
     let dir = tempfile::tempdir().unwrap();
     let (gguf, _) = tiny(7, dir.path());
     let full = Model::load(&gguf).unwrap();
-    let budget = budget_for(&full, |p| p.head == Placement::Streamed);
+    let budget = budget_for(&full, CONTEXT, |p| p.head == Placement::Streamed);
     let planned = Model::load_within(&gguf, budget, CONTEXT, KvType::default()).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(&gguf).unwrap();
     f.set_len(4096).unwrap();

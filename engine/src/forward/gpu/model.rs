@@ -77,21 +77,6 @@ impl DeviceMatrix {
             bytes,
         })
     }
-
-    /// Queues `y = W x (+ bias)`.
-    ///
-    /// # Safety
-    /// As [`DeviceRows::apply`]; the rows are this matrix's own bytes.
-    pub(super) unsafe fn apply(
-        &self,
-        dev: &dyn Device,
-        x: Addr,
-        bias: Addr,
-        y: Addr,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.rows.apply(dev, x, bias, y) }
-    }
 }
 
 /// A layer's attention projections in device memory.

@@ -207,7 +207,7 @@ impl GpuSession {
             let norm = model.output_norm.addr();
             dev.rmsnorm(xn, self.x.addr(), norm, c.d_model, 1, c.rms_eps)?;
             if let Some(o) = &model.output {
-                o.apply(dev, xn, Addr::NULL, logits.addr())?;
+                o.rows.apply(dev, xn, Addr::NULL, logits.addr())?;
             }
             model
                 .host
@@ -473,7 +473,7 @@ impl LayerSteps for GpuSession {
             (&p.wv, &layer.bv, v_slot),
         ] {
             // SAFETY: see the impl.
-            unsafe { m.apply(dev, xn, or_null(b), y)? };
+            unsafe { m.rows.apply(dev, xn, or_null(b), y)? };
         }
         Ok(())
     }
@@ -530,7 +530,7 @@ impl LayerSteps for GpuSession {
             });
         };
         // SAFETY: see the impl.
-        unsafe { p.wo.apply(dev, att, Addr::NULL, self.proj.addr()) }
+        unsafe { p.wo.rows.apply(dev, att, Addr::NULL, self.proj.addr()) }
     }
 
     fn ffn(
